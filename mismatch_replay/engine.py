@@ -1,0 +1,570 @@
+"""The sweep engine: one streaming pass over token batches -> an additive `Tally`.
+
+Design
+------
+A *job* is one rule with one swept parameter over a grid of K values (a single setting is a
+grid of one). For a token rule the engine computes the rule's score once per batch, bins it
+against the K sorted thresholds (`np.searchsorted`, O(N log K)) and adds per-bin sums into
+arrays of shape (groups, K + 2): bin j holds the tokens that exceed exactly j thresholds, and
+the last bin holds the tokens masked by a fixed side of the rule (score +inf). The masked count
+at grid point k is the suffix sum over bins j > k: exact at every grid point, whatever K.
+
+Per bin it keeps the token count, the |dp| mass and, for weight rules, the sum, square sum and
+max of the natural weight, from which the weight mean, max and effective sample size at every
+cap follow exactly (a truncated token's weight is the cap itself).
+
+Sequence rules need whole sequences, which may be spread over batches and files. The engine
+therefore keeps per-sequence sums (`SeqStats`: token count, sum of l, sum of k3, max k2,
+min l, ...) keyed by (step, sample_id) -- memory ~ 100 bytes per sequence, not per token -- and
+scores sequences once at the end. For token rules it also keeps each sequence's max score, so
+that every rule reports how many sequences it touches. `m2po` is per step and batch-adaptive:
+it keeps l^2 and |dp| of every token (24 bytes/token) and resolves each step at the end.
+
+Every piece of a Tally is a sum, a max or a min, so `Tally + Tally` merges shards exactly:
+the counts do not depend on how the log is split into files or batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from . import io
+from .errors import UsageError
+from .metrics import MetricSums
+from .rules import REGISTRY, Rule, SeqStats, TokenBatch, parse_grid, parse_rule
+
+GROUP_KEYS = ("step", "env")
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True)
+class Job:
+    """One rule swept over one parameter. `values` are in parameter space, ascending."""
+
+    rule: Rule
+    param: str
+    values: np.ndarray
+    report_param: str | None = None  # a non-threshold parameter expanded into single jobs
+    report_value: float | None = None
+
+    @property
+    def thresholds(self) -> np.ndarray:
+        return np.array([self.rule.threshold(self.param, v) for v in self.values], dtype=float)
+
+    @property
+    def order(self) -> np.ndarray:
+        """Positions of the values in ascending threshold order."""
+        return np.argsort(self.thresholds, kind="stable")
+
+    @property
+    def label(self) -> str:
+        return f"{self.rule.name}[{self.rule.setting(self.param)}]:{self.param}"
+
+
+def _sweep_targets(sweeps: dict[str, np.ndarray], rule: Rule) -> dict[str, np.ndarray]:
+    out = {}
+    for key, grid in sweeps.items():
+        name, _, param = key.rpartition(".")
+        if (name == "" or name == rule.name) and param in rule.param_names():
+            out[param] = grid
+    return out
+
+
+def plan_jobs(
+    rules: Sequence[Rule | str] | None = None,
+    sweeps: dict[str, str | np.ndarray] | None = None,
+    columns: Sequence[str] = ("trainer_logprob", "inference_logprob"),
+) -> tuple[list[Job], list[str]]:
+    """Rules + sweeps -> jobs, and notes on what was skipped (data lacking a column).
+
+    Without rules: every rule that the columns support, each threshold parameter swept over
+    its default grid. `sweeps` maps `param` or `rule.param` to a GRID (text or array).
+    """
+    grids = {
+        k: (parse_grid(v) if isinstance(v, str) else np.unique(np.asarray(v, float)))
+        for k, v in (sweeps or {}).items()
+    }
+    notes: list[str] = []
+    explicit = rules is not None and len(rules) > 0
+    if explicit:
+        chosen = [parse_rule(r) if isinstance(r, str) else r for r in rules]
+    else:
+        chosen = []
+        for cls in REGISTRY.values():
+            lacking = [c for c in cls.needs if c not in columns]
+            if lacking:
+                notes.append(f"{cls.name}: skipped, the log has no {' / '.join(lacking)} column")
+                continue
+            chosen.append(cls())
+    used: set[str] = set()
+    jobs: list[Job] = []
+    for rule in chosen:
+        lacking = [c for c in rule.needs if c not in columns]
+        if lacking and explicit:
+            raise UsageError(
+                f"rule '{rule.name}' needs the column(s) {', '.join(lacking)}, which the log "
+                f"does not have (found: {', '.join(columns)}). Map one with --map "
+                f"{lacking[0]}=COLUMN."
+            )
+        targets = _sweep_targets(grids, rule)
+        for key in grids:
+            name, _, param = key.rpartition(".")
+            if (name in ("", rule.name)) and param in targets:
+                used.add(key)
+        if not targets and not explicit:
+            targets = {p.name: parse_grid(p.grid) for p in rule.params if p.threshold}
+        if not targets:
+            jobs.append(_single(rule))
+            continue
+        for param, grid in targets.items():
+            spec = rule.param(param)
+            if spec.threshold:
+                others = [p.name for p in rule.params if p.threshold and p.name != param]
+                rule.require(*others)
+                jobs.append(Job(rule, param, grid))
+            else:  # e.g. kpop's clamp: one single-setting job per value
+                for v in grid:
+                    j = _single(rule.replace(**{param: float(v)}))
+                    jobs.append(Job(j.rule, j.param, j.values, param, float(v)))
+    unused = [k for k in grids if k not in used]
+    if unused:
+        names = ", ".join(sorted({r.name for r in chosen}))
+        raise UsageError(
+            f"--sweep {unused[0]}: no selected rule has that parameter (rules: {names}). "
+            "Use PARAM=GRID with a parameter of a selected rule, or RULE.PARAM=GRID."
+        )
+    return jobs, notes
+
+
+def _single(rule: Rule) -> Job:
+    """A rule at one setting: a one-value job on its first active threshold parameter."""
+    names = [p.name for p in rule.params if p.threshold]
+    rule.require(*names)
+    active = [n for n in names if getattr(rule, n) not in (0, 0.0)]
+    first = (active or names)[0]
+    return Job(rule, first, np.array([float(getattr(rule, first))]))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _bins(score: np.ndarray, thr_sorted: np.ndarray, inclusive: bool) -> np.ndarray:
+    """Bin j = number of thresholds the score exceeds (>= when inclusive).
+
+    A score of +inf marks a token masked by a fixed side of the rule: it goes to bin K + 1 and
+    counts as masked at every value, even at a threshold of +inf (e.g. IcePop's low = 0).
+    """
+    if np.isnan(score).any():  # a rule must never produce NaN; fail loudly if one does
+        raise AssertionError("internal error: a rule produced NaN scores")
+    b = np.searchsorted(thr_sorted, score, side="right" if inclusive else "left")
+    k = thr_sorted.shape[0]
+    b[score == math.inf] = k + 1
+    return b
+
+
+class _Grow:
+    """A 1-D float array that grows by doubling (per-sequence accumulators)."""
+
+    def __init__(self, fill: float):
+        self.fill = fill
+        self.a = np.full(1024, fill)
+
+    def ensure(self, n: int) -> None:
+        if n > self.a.shape[0]:
+            new = np.full(max(n, 2 * self.a.shape[0]), self.fill)
+            new[: self.a.shape[0]] = self.a
+            self.a = new
+
+
+_SEQ_FIELDS = {  # name -> (fill, how partials combine)
+    "n": (0.0, "sum"),
+    "sum_l": (0.0, "sum"),
+    "sum_k3": (0.0, "sum"),
+    "max_k2": (-math.inf, "max"),
+    "min_l": (math.inf, "min"),
+    "sum_exp_abs_l": (0.0, "sum"),
+    "sum_adv": (0.0, "sum"),
+    "mass": (0.0, "sum"),
+    "group": (-1.0, "first"),
+}
+
+
+@dataclass
+class _JobBins:
+    """Per-bin sums of one job, shape (groups, K + 2)."""
+
+    count: np.ndarray
+    mass: np.ndarray
+    wsum: np.ndarray | None = None
+    wsq: np.ndarray | None = None
+    wmax: np.ndarray | None = None
+    seq_count: np.ndarray | None = None  # sequences per bin (sequence-level counts)
+
+    def grow(self, groups: int) -> None:
+        for name in ("count", "mass", "wsum", "wsq", "wmax", "seq_count"):
+            a = getattr(self, name)
+            if a is not None and a.shape[0] < groups:
+                fill = -math.inf if name == "wmax" else 0
+                pad = np.full((groups - a.shape[0], a.shape[1]), fill, dtype=a.dtype)
+                setattr(self, name, np.vstack([a, pad]))
+
+
+def _new_bins(k: int, groups: int, weight: bool) -> _JobBins:
+    z = np.zeros((groups, k + 2))
+    return _JobBins(
+        count=np.zeros((groups, k + 2), dtype=np.int64),
+        mass=z.copy(),
+        wsum=z.copy() if weight else None,
+        wsq=z.copy() if weight else None,
+        wmax=np.full((groups, k + 2), -math.inf) if weight else None,
+    )
+
+
+def _accumulate(
+    bins: _JobBins, b: np.ndarray, g: np.ndarray, groups: int, mass, weight=None, count=None
+) -> None:
+    width = bins.count.shape[1]
+    idx = g * width + b
+    size = groups * width
+    cnt = np.ones_like(b, dtype=float) if count is None else count
+    bins.count += (
+        np.bincount(idx, weights=cnt, minlength=size).reshape(groups, width).astype(np.int64)
+    )
+    bins.mass += np.bincount(idx, weights=mass, minlength=size).reshape(groups, width)
+    if weight is not None:
+        bins.wsum += np.bincount(idx, weights=weight * cnt, minlength=size).reshape(groups, width)
+        bins.wsq += np.bincount(idx, weights=weight * weight * cnt, minlength=size).reshape(
+            groups, width
+        )
+        flat = bins.wmax.reshape(-1)
+        np.maximum.at(flat, idx, weight)
+
+
+# ----------------------------------------------------------------------------- tally
+
+
+@dataclass
+class Tally:
+    """Additive summary of one pass over a log: enough to answer every sweep question."""
+
+    jobs: list[Job]
+    by: str | None = None
+    has_seq: bool = False
+    has_adv: bool = False
+    groups: list = field(default_factory=list)
+    bins: list[_JobBins | None] = field(default_factory=list)
+    metrics: MetricSums = field(default_factory=MetricSums)
+    seq_keys: dict = field(default_factory=dict)
+    seq: dict[str, _Grow] = field(default_factory=dict)
+    seq_max: dict[int, _Grow] = field(default_factory=dict)
+    m2po: list[dict[str, np.ndarray]] = field(default_factory=list)
+    report: io.ReadReport = field(default_factory=io.ReadReport)
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.bins:
+            self.bins = [
+                None
+                if j.rule.level != "token"
+                else _new_bins(len(j.values), 0, j.rule.kind == "weight")
+                for j in self.jobs
+            ]
+        if not self.seq:
+            self.seq = {k: _Grow(f) for k, (f, _) in _SEQ_FIELDS.items()}
+        self._gidx = {v: i for i, v in enumerate(self.groups)}
+
+    # -- groups and sequences
+    def _group_codes(self, df: pl.DataFrame) -> np.ndarray:
+        if self.by is None:
+            if not self.groups:
+                self.groups.append(None)
+                self._gidx[None] = 0
+            return np.zeros(df.height, dtype=np.int64)
+        col = df[self.by]
+        u = col.unique(maintain_order=True).to_list()
+        for v in u:
+            if v not in self._gidx:
+                self._gidx[v] = len(self.groups)
+                self.groups.append(v)
+        lut = pl.DataFrame(
+            {self.by: pl.Series(u, dtype=col.dtype), "_g": [self._gidx[v] for v in u]}
+        )
+        return (
+            df.select(self.by)
+            .join(lut, on=self.by, how="left", maintain_order="left")["_g"]
+            .to_numpy()
+            .astype(np.int64)
+        )
+
+    def _seq_codes(self, df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """Per-token global sequence ids and the batch's distinct global ids (in run order)."""
+        keys = df.select("step", "sample_id")
+        new_run = (
+            (pl.col("step") != pl.col("step").shift(1))
+            | (pl.col("sample_id") != pl.col("sample_id").shift(1))
+        ).fill_null(True)
+        run = keys.select(new_run.cum_sum().alias("r"))["r"].to_numpy().astype(np.int64) - 1
+        starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]])
+        gid_of_run = np.empty(starts.shape[0], dtype=np.int64)
+        steps = keys["step"].gather(starts).to_list()
+        sids = keys["sample_id"].gather(starts).to_list()
+        for i, key in enumerate(zip(steps, sids, strict=True)):
+            gid = self.seq_keys.get(key)
+            if gid is None:
+                gid = len(self.seq_keys)
+                self.seq_keys[key] = gid
+            gid_of_run[i] = gid
+        tok_gid = gid_of_run[run]
+        uniq, local = np.unique(tok_gid, return_inverse=True)
+        return tok_gid, (uniq, local)
+
+    # -- one batch
+    def add_batch(self, df: pl.DataFrame) -> None:
+        lp = df["trainer_logprob"].to_numpy()
+        lq = df["inference_logprob"].to_numpy()
+        adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
+        tb = TokenBatch(lp, lq, adv)
+        g = self._group_codes(df)
+        G = len(self.groups)
+        ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
+        self.metrics.add(tb, g, G, ent)
+        seq = self._seq_codes(df) if self.has_seq else None
+        if seq is not None:
+            self._add_seq(tb, g, seq)
+        for ji, job in enumerate(self.jobs):
+            rule = job.rule
+            if rule.level == "sequence":
+                continue
+            if rule.level == "step":
+                self.m2po.append(
+                    {
+                        "step": df["step"].to_numpy(),
+                        "l2": tb.l * tb.l,
+                        "mass": tb.abs_dp,
+                        "g": g,
+                        "seq": seq[0] if seq is not None else np.zeros(len(tb), np.int64),
+                    }
+                )
+                continue
+            bins = self.bins[ji]
+            bins.grow(G)
+            score = rule.score(tb, job.param)
+            thr = job.thresholds[job.order]
+            b = _bins(score, thr, rule.inclusive)
+            w = rule.weight(tb, job.param) if rule.kind == "weight" else None
+            _accumulate(bins, b, g, G, tb.abs_dp, w)
+            if seq is not None:
+                uniq, local = seq[1]
+                part = np.full(uniq.shape[0], -math.inf)
+                np.maximum.at(part, local, score)
+                acc = self.seq_max.setdefault(ji, _Grow(-math.inf))
+                acc.ensure(len(self.seq_keys))
+                acc.a[uniq] = np.maximum(acc.a[uniq], part)
+
+    def _add_seq(self, tb: TokenBatch, g: np.ndarray, seq) -> None:
+        uniq, local = seq[1]
+        m = uniq.shape[0]
+        n_total = len(self.seq_keys)
+        parts = {
+            "n": np.bincount(local, minlength=m).astype(float),
+            "sum_l": np.bincount(local, weights=tb.l, minlength=m),
+            "sum_k3": np.bincount(local, weights=tb.k3, minlength=m),
+            "sum_exp_abs_l": np.bincount(local, weights=_exp_abs(tb.l), minlength=m),
+            "mass": np.bincount(local, weights=tb.abs_dp, minlength=m),
+        }
+        if tb.advantage is not None:
+            parts["sum_adv"] = np.bincount(local, weights=tb.advantage, minlength=m)
+        mx = np.full(m, -math.inf)
+        np.maximum.at(mx, local, tb.k2)
+        mn = np.full(m, math.inf)
+        np.minimum.at(mn, local, tb.l)
+        parts["max_k2"], parts["min_l"] = mx, mn
+        first = np.full(m, -1.0)
+        first[local[::-1]] = g[::-1]  # first token's group wins
+        parts["group"] = first
+        for name, (_fill, how) in _SEQ_FIELDS.items():
+            if name not in parts:
+                continue
+            acc = self.seq[name]
+            acc.ensure(n_total)
+            cur = acc.a[uniq]
+            if how == "sum":
+                acc.a[uniq] = cur + parts[name]
+            elif how == "max":
+                acc.a[uniq] = np.maximum(cur, parts[name])
+            elif how == "min":
+                acc.a[uniq] = np.minimum(cur, parts[name])
+            else:
+                acc.a[uniq] = np.where(cur < 0, parts[name], cur)
+
+    # -- merging
+    def __add__(self, other: Tally) -> Tally:
+        if [j.label for j in self.jobs] != [j.label for j in other.jobs] or self.by != other.by:
+            raise ValueError("can only add Tallies of the same jobs and grouping")
+        out = Tally(self.jobs, self.by, self.has_seq, self.has_adv)
+        out._absorb(self)
+        out._absorb(other)
+        return out
+
+    def _absorb(self, t: Tally) -> None:
+        gmap = []
+        for v in t.groups:
+            if v not in self._gidx:
+                self._gidx[v] = len(self.groups)
+                self.groups.append(v)
+            gmap.append(self._gidx[v])
+        gmap = np.asarray(gmap, dtype=np.int64)
+        G = len(self.groups)
+        for mine, theirs in zip(self.bins, t.bins, strict=True):
+            if mine is None:
+                continue
+            mine.grow(G)
+            for name in ("count", "mass", "wsum", "wsq"):
+                a = getattr(theirs, name)
+                if a is not None and a.shape[0]:
+                    np.add.at(getattr(mine, name), gmap[: a.shape[0]], a)
+            if theirs.wmax is not None and theirs.wmax.shape[0]:
+                np.maximum.at(mine.wmax, gmap[: theirs.wmax.shape[0]], theirs.wmax)
+        self.metrics.absorb(t.metrics, gmap, G)
+        smap = np.empty(len(t.seq_keys), dtype=np.int64)
+        for key, i in t.seq_keys.items():
+            gid = self.seq_keys.get(key)
+            if gid is None:
+                gid = len(self.seq_keys)
+                self.seq_keys[key] = gid
+            smap[i] = gid
+        n = len(self.seq_keys)
+        k = len(t.seq_keys)
+        for name, (_f, how) in _SEQ_FIELDS.items():
+            acc, src = self.seq[name], t.seq[name].a[:k].copy()
+            acc.ensure(n)
+            if name == "group":
+                src = np.where(src >= 0, gmap[np.maximum(src, 0).astype(np.int64)], -1.0)
+            cur = acc.a[smap]
+            acc.a[smap] = {
+                "sum": lambda c, s: c + s,
+                "max": np.maximum,
+                "min": np.minimum,
+                "first": lambda c, s: np.where(c < 0, s, c),
+            }[how](cur, src)
+        for ji, grow in t.seq_max.items():
+            acc = self.seq_max.setdefault(ji, _Grow(-math.inf))
+            acc.ensure(n)
+            acc.a[smap] = np.maximum(acc.a[smap], grow.a[:k])
+        for chunk in t.m2po:
+            c = dict(chunk)
+            c["g"] = gmap[c["g"]]
+            c["seq"] = smap[c["seq"]] if self.has_seq else c["seq"]
+            self.m2po.append(c)
+        self.report += t.report
+
+    # -- results
+    def seq_stats(self) -> SeqStats:
+        n = len(self.seq_keys)
+        s = {k: v.a[:n] for k, v in self.seq.items()}
+        return SeqStats(
+            n=s["n"],
+            sum_l=s["sum_l"],
+            sum_k3=s["sum_k3"],
+            max_k2=s["max_k2"],
+            min_l=s["min_l"],
+            sum_exp_abs_l=s["sum_exp_abs_l"],
+            sum_adv=s["sum_adv"],
+            has_adv=self.has_adv,
+        )
+
+    def result(self) -> SweepResult:
+        from .tables import sweep_table
+
+        return SweepResult(
+            table=sweep_table(self),
+            metrics=self.metrics.table(self.by, self.groups),
+            tally=self,
+        )
+
+
+def _exp_abs(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.exp(np.abs(x))
+
+
+@dataclass
+class SweepResult:
+    table: pl.DataFrame  # the long sweep table (one row per job x value x group)
+    metrics: pl.DataFrame  # mismatch metrics per group
+    tally: Tally
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]) -> list[str]:
+    cols = {"trainer_logprob", "inference_logprob", "step"}
+    for j in jobs:
+        cols |= set(j.rule.needs)
+        if j.rule.level == "step":
+            cols.add("step")
+    if "sample_id" in available:
+        cols.add("sample_id")
+    if "entropy" in available:
+        cols.add("entropy")
+    if "advantage" in available and any("advantage" in j.rule.needs for j in jobs):
+        cols.add("advantage")
+    if by is not None:
+        if by not in GROUP_KEYS:
+            raise UsageError(f"--by {by}: group by one of {', '.join(GROUP_KEYS)}.")
+        if by not in available and by != "step":
+            raise UsageError(
+                f"--by {by}: the log has no '{by}' column (found: {', '.join(available)})."
+            )
+        cols.add(by)
+    return sorted(cols)
+
+
+def replay(
+    sources: Sequence[str | Path] | io.Plan,
+    rules: Sequence[Rule | str] | None = None,
+    sweeps: dict[str, str | np.ndarray] | None = None,
+    by: str | None = None,
+    options: io.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Tally:
+    """Stream the sources once and return the Tally for these rules and sweeps."""
+    plan = sources if isinstance(sources, io.Plan) else io.plan_sources(sources, options)
+    available = plan.columns
+    jobs, notes = plan_jobs(rules, sweeps, available)
+    cols = columns_needed(jobs, by, available)
+    tally = Tally(jobs, by, has_seq="sample_id" in cols, has_adv="advantage" in cols)
+    tally.notes = notes
+    total = sum(plan.rows)
+    for _, df in io.iter_batches(plan, cols, tally.report):
+        if df.height:
+            tally.add_batch(df)
+        if progress is not None:
+            progress(tally.report.rows, total)
+    if tally.report.loss_rows == 0:
+        from .errors import DataError
+
+        raise DataError(
+            f"{plan.files[0]}{' and others' if len(plan.files) > 1 else ''}: no loss tokens "
+            f"to replay ({tally.report.rows:,} rows read, none with loss_mask true and valid). "
+            "Check the loss_mask column and the --map options."
+        )
+    return tally
+
+
+def sweep(*args, **kwargs) -> SweepResult:
+    """`replay(...)` then the sweep table (see `replay` for the arguments)."""
+    tally = replay(*args, **kwargs)
+    res = tally.result()
+    res.notes = list(tally.notes)
+    return res

@@ -1,0 +1,164 @@
+"""Mismatch metrics: additive per-group sums -> the statistics users already know.
+
+Design
+------
+Every metric is a function of a few token sums (count, sum, sum of squares, max), so the
+engine keeps only those, per group, and they add across batches, files and machines. The
+table names each statistic both plainly and by the name a framework logs it under (prime-rl's
+`mismatch_kl/all/mean`, verl's `rollout_corr/k3_kl`, ...), so a number can be put next to a
+dashboard's. All sums are float64; log ratios are clamped to +-20 before exp here (as verl,
+slime and SkyRL do), so a single absurd token cannot turn a mean into inf.
+
+k1 = -l, k2 = l^2/2, k3 = r - 1 - l with l = log p_train - log p_infer: their token means
+estimate KL(inference || trainer) with samples from the inference engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+
+from .rules import LOG_CLAMP, TokenBatch
+
+_SUMS = (
+    "n",
+    "k1",
+    "k2",
+    "k3",
+    "k3_sq",
+    "abs_dp",
+    "abs_dp_sq",
+    "p",
+    "q",
+    "pp",
+    "qq",
+    "pq",
+    "r_sq",
+    "entropy",
+    "entropy_n",
+)
+_MAXES = ("k3_max", "abs_dp_max")
+
+# metric name -> (framework name(s), description)
+NAMES: dict[str, tuple[str, str]] = {
+    "tokens": ("", "loss tokens"),
+    "kl_k1": ("rollout_corr/kl (verl)", "token mean of k1 = -l"),
+    "kl_k2": ("", "token mean of k2 = l^2/2"),
+    "kl_k3": (
+        "mismatch_kl/all/mean (prime-rl), rollout_corr/k3_kl (verl)",
+        "token mean of k3 = r - 1 - l",
+    ),
+    "kl_k3_std": ("mismatch_kl/all/std (prime-rl)", "token std of k3"),
+    "kl_k3_max": ("mismatch_kl/all/max (prime-rl)", "token max of k3"),
+    "abs_dp_mean": ("training/rollout_probs_diff_mean (verl)", "token mean of |p - q|"),
+    "abs_dp_std": ("training/rollout_probs_diff_std (verl)", "token std of |p - q|"),
+    "abs_dp_max": ("training/rollout_probs_diff_max (verl)", "token max of |p - q|"),
+    "chi2_token": ("rollout_corr/chi2_token (verl)", "token mean of r^2, minus 1"),
+    "ppl_ratio": ("rollout_corr/ppl_ratio (verl, per sequence there)", "exp(token mean of k1)"),
+    "probs_pearson": (
+        "training/rollout_actor_probs_pearson_corr (verl)",
+        "Pearson correlation of p and q over tokens",
+    ),
+    "entropy_mean": ("entropy/all/mean (prime-rl)", "token mean of the trainer entropy"),
+    "kl_ent_ratio": ("kl_ent_ratio/mean (prime-rl, per token there)", "kl_k3 / entropy_mean"),
+}
+
+
+class MetricSums:
+    """Per-group sums and maxima; `add` one batch, `absorb` another MetricSums."""
+
+    def __init__(self):
+        self.s = {k: np.zeros(0) for k in _SUMS}
+        self.m = {k: np.zeros(0) for k in _MAXES}
+
+    def _grow(self, groups: int) -> None:
+        for d, fill in ((self.s, 0.0), (self.m, -math.inf)):
+            for k, a in d.items():
+                if a.shape[0] < groups:
+                    d[k] = np.concatenate([a, np.full(groups - a.shape[0], fill)])
+
+    def add(self, tb: TokenBatch, g: np.ndarray, groups: int, entropy=None) -> None:
+        self._grow(groups)
+        lc = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
+        r = np.exp(lc)
+        k3 = np.expm1(lc) - lc
+        p, q = tb.p, tb.q
+        vals = {
+            "n": None,
+            "k1": -tb.l,
+            "k2": tb.k2,
+            "k3": k3,
+            "k3_sq": k3 * k3,
+            "abs_dp": tb.abs_dp,
+            "abs_dp_sq": tb.abs_dp * tb.abs_dp,
+            "p": p,
+            "q": q,
+            "pp": p * p,
+            "qq": q * q,
+            "pq": p * q,
+            "r_sq": r * r,
+        }
+        if entropy is not None:
+            ok = np.isfinite(entropy)
+            vals["entropy"] = np.where(ok, entropy, 0.0)
+            vals["entropy_n"] = ok.astype(float)
+        for k, v in vals.items():
+            self.s[k] += np.bincount(g, weights=v, minlength=groups)
+        np.maximum.at(self.m["k3_max"], g, k3)
+        np.maximum.at(self.m["abs_dp_max"], g, tb.abs_dp)
+
+    def absorb(self, other: MetricSums, gmap: np.ndarray, groups: int) -> None:
+        self._grow(groups)
+        for k, a in other.s.items():
+            np.add.at(self.s[k], gmap[: a.shape[0]], a)
+        for k, a in other.m.items():
+            np.maximum.at(self.m[k], gmap[: a.shape[0]], a)
+
+    def total(self) -> MetricSums:
+        """All groups summed into one."""
+        t = MetricSums()
+        t.s = {k: np.array([a.sum()]) for k, a in self.s.items()}
+        t.m = {k: np.array([a.max() if a.size else -math.inf]) for k, a in self.m.items()}
+        return t
+
+    def values(self) -> dict[str, np.ndarray]:
+        """Per-group statistics (NaN where undefined, e.g. no entropy logged)."""
+        s, m = self.s, self.m
+        n = np.where(s["n"] > 0, s["n"], np.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            k3 = s["k3"] / n
+            out = {
+                "tokens": s["n"],
+                "kl_k1": s["k1"] / n,
+                "kl_k2": s["k2"] / n,
+                "kl_k3": k3,
+                "kl_k3_std": np.sqrt(np.maximum(s["k3_sq"] / n - k3 * k3, 0.0)),
+                "kl_k3_max": np.where(s["n"] > 0, m["k3_max"], np.nan),
+                "abs_dp_mean": s["abs_dp"] / n,
+                "abs_dp_std": np.sqrt(np.maximum(s["abs_dp_sq"] / n - (s["abs_dp"] / n) ** 2, 0)),
+                "abs_dp_max": np.where(s["n"] > 0, m["abs_dp_max"], np.nan),
+                "chi2_token": s["r_sq"] / n - 1.0,
+                "ppl_ratio": np.exp(s["k1"] / n),
+            }
+            cov = s["pq"] / n - (s["p"] / n) * (s["q"] / n)
+            vp = s["pp"] / n - (s["p"] / n) ** 2
+            vq = s["qq"] / n - (s["q"] / n) ** 2
+            out["probs_pearson"] = cov / np.sqrt(vp * vq)
+            en = np.where(s["entropy_n"] > 0, s["entropy_n"], np.nan)
+            out["entropy_mean"] = s["entropy"] / en
+            out["kl_ent_ratio"] = k3 / out["entropy_mean"]
+        return out
+
+    def table(self, by: str | None, groups: list) -> pl.DataFrame:
+        """One row per group (or one row), NaN turned into null."""
+        vals = self.values()
+        data: dict = {}
+        if by is not None:
+            data[by] = groups
+        for k, v in vals.items():
+            data[k] = [None if not np.isfinite(x) else float(x) for x in v]
+        df = pl.DataFrame(data)
+        df = df.with_columns(pl.col("tokens").cast(pl.Int64))
+        return df.sort(by) if by is not None else df

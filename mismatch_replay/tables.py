@@ -1,0 +1,263 @@
+"""Tally -> the long sweep table (one row per rule x swept value x group).
+
+Design
+------
+Every job ends as per-bin sums of shape (groups, K + 2) (see engine.py); token rules have them
+from the streaming pass, sequence rules and m2po get them here, from the per-sequence sums and
+the per-step l^2 values. One function then turns bins into rows by suffix sums, so every rule
+reports the same columns:
+
+rule, setting (the fixed parameters), param, value, [group], tokens, masked_tokens,
+masked_fraction, truncated_tokens, truncated_fraction, sequences, masked_sequences,
+masked_sequence_fraction, masked_mass, masked_mass_fraction, weight_mean, weight_max,
+weight_ess, level, kind, spec.
+
+Undefined values (no sequences in the log, a weight statistic of a mask rule) are null.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+
+from .engine import Job, Tally, _accumulate, _bins, _JobBins, _new_bins
+
+COLUMNS = (
+    "rule",
+    "setting",
+    "param",
+    "value",
+    "tokens",
+    "masked_tokens",
+    "masked_fraction",
+    "truncated_tokens",
+    "truncated_fraction",
+    "sequences",
+    "masked_sequences",
+    "masked_sequence_fraction",
+    "masked_mass",
+    "masked_mass_fraction",
+    "weight_mean",
+    "weight_max",
+    "weight_ess",
+    "level",
+    "kind",
+    "spec",
+)
+
+
+def _suffix(a: np.ndarray) -> np.ndarray:
+    """s[:, j] = sum of a[:, j:], with a trailing zero column."""
+    rev = np.cumsum(a[:, ::-1], axis=1)[:, ::-1]
+    return np.concatenate([rev, np.zeros((a.shape[0], 1), dtype=a.dtype)], axis=1)
+
+
+def _seq_bins(tally: Tally, score: np.ndarray, job: Job, G: int) -> np.ndarray:
+    """Sequences per (group, bin) for per-sequence scores."""
+    thr = job.thresholds[job.order]
+    b = _bins(score, thr, job.rule.inclusive)
+    width = len(job.values) + 2
+    g = tally.seq["group"].a[: len(tally.seq_keys)].astype(np.int64)
+    return np.bincount(g * width + b, minlength=G * width).reshape(G, width).astype(np.int64)
+
+
+def _sequence_job_bins(tally: Tally, job: Job, G: int) -> _JobBins:
+    st = tally.seq_stats()
+    rule = job.rule
+    score = rule.score(st, job.param)
+    thr = job.thresholds[job.order]
+    b = _bins(score, thr, rule.inclusive)
+    bins = _new_bins(len(job.values), G, rule.kind == "weight")
+    g = tally.seq["group"].a[: len(tally.seq_keys)].astype(np.int64)
+    mass = tally.seq["mass"].a[: len(tally.seq_keys)]
+    w = rule.weight(st, job.param) if rule.kind == "weight" else None
+    _accumulate(bins, b, g, G, mass, w, count=st.n)
+    bins.seq_count = _seq_bins(tally, score, job, G)
+    return bins
+
+
+def m2po_scores(tally: Tally) -> dict[str, np.ndarray]:
+    """Per-token m2po scores: the mean l^2 of the step's tokens ranked at or below this one.
+
+    Within a step, sort l^2 descending: x_1 >= ... >= x_n. The token of rank m (0-based) gets
+    M_m = mean(x_{m+1..n}); M is non-increasing in m, so "mask the largest until the rest's
+    mean is < tau" masks exactly the tokens with M_m >= tau. Ties are broken by input order.
+    """
+    if not tally.m2po:
+        z = np.zeros(0)
+        return {"score": z, "g": z.astype(np.int64), "mass": z, "seq": z.astype(np.int64)}
+    cat = {k: np.concatenate([c[k] for c in tally.m2po]) for k in tally.m2po[0]}
+    order = np.lexsort((-cat["l2"], cat["step"]))
+    step = cat["step"][order]
+    x = cat["l2"][order]
+    n = x.shape[0]
+    starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
+    seg = np.repeat(np.arange(starts.shape[0]), np.diff(np.r_[starts, n]))
+    csum = np.cumsum(x)
+    seg_total = np.add.reduceat(x, starts)
+    seg_start_csum = np.r_[0.0, csum][starts]
+    before = np.r_[0.0, csum[:-1]] - seg_start_csum[seg]  # sum of larger ones in the step
+    seg_len = np.diff(np.r_[starts, n])
+    rank = np.arange(n) - starts[seg]
+    rest = seg_total[seg] - before
+    # Sums of a sorted segment can undershoot by rounding; clamp at 0 (l^2 >= 0).
+    score = np.maximum(rest, 0.0) / (seg_len[seg] - rank)
+    return {
+        "score": score,
+        "g": cat["g"][order],
+        "mass": cat["mass"][order],
+        "seq": cat["seq"][order],
+    }
+
+
+def _m2po_job_bins(tally: Tally, job: Job, G: int) -> _JobBins:
+    m = m2po_scores(tally)
+    thr = job.thresholds[job.order]
+    b = _bins(m["score"], thr, True)
+    bins = _new_bins(len(job.values), G, False)
+    _accumulate(bins, b, m["g"], G, m["mass"])
+    if tally.has_seq:
+        n = len(tally.seq_keys)
+        smax = np.full(n, -math.inf)
+        np.maximum.at(smax, m["seq"], m["score"])
+        bins.seq_count = _seq_bins(tally, smax, job, G)
+    return bins
+
+
+def job_bins(tally: Tally, ji: int) -> _JobBins:
+    """The finished per-bin sums of job `ji`, shape (groups, K + 2)."""
+    job = tally.jobs[ji]
+    G = len(tally.groups)
+    if job.rule.level == "sequence":
+        return _sequence_job_bins(tally, job, G)
+    if job.rule.level == "step":
+        return _m2po_job_bins(tally, job, G)
+    bins = tally.bins[ji]
+    bins.grow(G)
+    if tally.has_seq and ji in tally.seq_max:
+        smax = tally.seq_max[ji].a[: len(tally.seq_keys)]
+        bins.seq_count = _seq_bins(tally, smax, job, G)
+    return bins
+
+
+def _frac(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+
+
+def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
+    """Rows of one job: every value x group."""
+    job = tally.jobs[ji]
+    rule = job.rule
+    bins = job_bins(tally, ji)
+    G, width = bins.count.shape
+    K = width - 2
+    inv = np.empty(K, dtype=np.int64)
+    inv[job.order] = np.arange(K)  # value index -> sorted threshold index
+    cnt_suf = _suffix(bins.count)
+    mass_suf = _suffix(bins.mass)
+    tokens = bins.count.sum(axis=1)
+    mass_tot = bins.mass.sum(axis=1)
+    k_idx = inv + 1  # bins strictly above the value's sorted threshold
+    hit = cnt_suf[:, k_idx]  # (G, K) masked or truncated tokens
+    masked_mass = mass_suf[:, k_idx]
+    weight = rule.kind == "weight"
+    cols: dict[str, np.ndarray] = {}
+    gi, vi = np.meshgrid(np.arange(G), np.arange(K), indexing="ij")
+    cols["value"] = np.full((G, K), job.report_value) if job.report_param else job.values[vi]
+    cols["tokens"] = np.broadcast_to(tokens[:, None], (G, K))
+    cols["masked_tokens"] = np.zeros((G, K), dtype=np.int64) if weight else hit
+    cols["truncated_tokens"] = hit if weight else np.zeros((G, K), dtype=np.int64)
+    if bins.seq_count is not None:
+        seq_suf = _suffix(bins.seq_count)
+        cols["sequences"] = np.broadcast_to(bins.seq_count.sum(axis=1)[:, None], (G, K))
+        cols["masked_sequences"] = np.zeros((G, K), dtype=np.int64) if weight else seq_suf[:, k_idx]
+    cols["masked_mass"] = np.zeros((G, K)) if weight else masked_mass
+    cols["masked_mass_total"] = np.broadcast_to(mass_tot[:, None], (G, K))
+    if weight:
+        wm, wx, we = _weight_stats(bins, job, inv)
+        cols["weight_mean"], cols["weight_max"], cols["weight_ess"] = wm, wx, we
+    return _to_frame(tally, job, cols, gi)
+
+
+def _weight_stats(bins: _JobBins, job: Job, inv: np.ndarray):
+    """Mean, max and ESS fraction of the weights at every value (cap = the value)."""
+    G, width = bins.count.shape
+    K = width - 2
+    cap = job.values[job.order]  # the value at each sorted threshold position
+    cnt = bins.count.astype(float)
+    pre_sum = np.cumsum(bins.wsum, axis=1)  # bins 0..k untruncated natural weights
+    pre_sq = np.cumsum(bins.wsq, axis=1)
+    pre_max = np.maximum.accumulate(bins.wmax, axis=1)
+    swept_trunc = _suffix(cnt[:, : K + 1])  # bins k+1..K truncated by the swept side
+    out_sum = np.empty((G, K))
+    out_sq = np.empty((G, K))
+    out_max = np.empty((G, K))
+    for k in range(K):
+        t = swept_trunc[:, k + 1]
+        out_sum[:, k] = pre_sum[:, k] + cap[k] * t + bins.wsum[:, K + 1]
+        out_sq[:, k] = pre_sq[:, k] + cap[k] ** 2 * t + bins.wsq[:, K + 1]
+        mx = np.maximum(pre_max[:, k], bins.wmax[:, K + 1])
+        out_max[:, k] = np.where(t > 0, np.maximum(mx, cap[k]), mx)
+    n = cnt.sum(axis=1)[:, None]
+    mean = _frac(out_sum, np.broadcast_to(n, (G, K)))
+    ess = _frac(out_sum * out_sum, n * out_sq)
+    # back to value order
+    return mean[:, inv], np.where(n > 0, out_max[:, inv], np.nan), ess[:, inv]
+
+
+def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFrame:
+    G, K = gi.shape
+    rule = job.rule
+    flat = {k: np.asarray(v).reshape(-1) for k, v in cols.items()}
+    n_rows = G * K
+    param = job.report_param or job.param
+    data: dict[str, object] = {
+        "rule": [rule.name] * n_rows,
+        "setting": [rule.setting(param)] * n_rows,
+        "param": [param] * n_rows,
+        "value": flat["value"].astype(float),
+    }
+    if tally.by is not None:
+        data[tally.by] = [tally.groups[i] for i in gi.reshape(-1)]
+    tokens = flat["tokens"].astype(np.int64)
+    data["tokens"] = tokens
+    data["masked_tokens"] = flat["masked_tokens"].astype(np.int64)
+    data["masked_fraction"] = _frac(flat["masked_tokens"], tokens)
+    data["truncated_tokens"] = flat["truncated_tokens"].astype(np.int64)
+    data["truncated_fraction"] = _frac(flat["truncated_tokens"], tokens)
+    if "sequences" in flat:
+        data["sequences"] = flat["sequences"].astype(np.int64)
+        data["masked_sequences"] = flat["masked_sequences"].astype(np.int64)
+        data["masked_sequence_fraction"] = _frac(flat["masked_sequences"], flat["sequences"])
+    else:
+        data["sequences"] = np.full(n_rows, np.nan)
+        data["masked_sequences"] = np.full(n_rows, np.nan)
+        data["masked_sequence_fraction"] = np.full(n_rows, np.nan)
+    data["masked_mass"] = flat["masked_mass"].astype(float)
+    data["masked_mass_fraction"] = _frac(flat["masked_mass"], flat["masked_mass_total"])
+    for k in ("weight_mean", "weight_max", "weight_ess"):
+        data[k] = flat[k].astype(float) if k in flat else np.full(n_rows, np.nan)
+    data["level"] = [rule.level] * n_rows
+    data["kind"] = [rule.kind] * n_rows
+    data["spec"] = [rule.replace(**{param: float(v)}).spec() for v in flat["value"]]
+    df = pl.DataFrame(data)
+    # NaN means "undefined" here: store it as null so JSON/CSV never carry NaN.
+    df = df.with_columns(
+        [pl.col(c).fill_nan(None) for c, t in df.schema.items() if t == pl.Float64]
+    )
+    return df.with_columns(
+        pl.col("sequences").cast(pl.Int64),
+        pl.col("masked_sequences").cast(pl.Int64),
+    )
+
+
+def sweep_table(tally: Tally) -> pl.DataFrame:
+    """The long table of every job, in job order, values ascending, then group."""
+    frames = [job_frame(tally, ji) for ji in range(len(tally.jobs))]
+    if not frames:
+        return pl.DataFrame()
+    df = pl.concat(frames, how="vertical_relaxed")
+    return df
