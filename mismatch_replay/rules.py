@@ -142,7 +142,7 @@ class SeqStats:
     has_adv: bool = True
 
     @property
-    def G(self) -> np.ndarray:  # noqa: N802 - RULES.md notation
+    def G(self) -> np.ndarray:
         return self.sum_l / self.n
 
     def adv(self, rule: str) -> np.ndarray:
