@@ -35,7 +35,7 @@ import numpy as np
 import polars as pl
 
 from . import io
-from .errors import UsageError
+from .errors import DataError, UsageError
 from .metrics import MetricSums
 from .rules import REGISTRY, Rule, SeqStats, TokenBatch, parse_grid, parse_rule
 
@@ -78,6 +78,20 @@ def _sweep_targets(sweeps: dict[str, np.ndarray], rule: Rule) -> dict[str, np.nd
     return out
 
 
+def parse_sweeps(items: Sequence[str]) -> dict[str, str]:
+    """`--sweep PARAM=GRID` / `--sweep RULE.PARAM=GRID` items -> {key: GRID text}."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, grid = item.partition("=")
+        if not sep or not key.strip() or not grid.strip():
+            raise UsageError(
+                f"--sweep {item}: use PARAM=GRID or RULE.PARAM=GRID, e.g. --sweep eps=0.05:0.5:46"
+            )
+        parse_grid(grid)  # fail early on a bad grid
+        out[key.strip()] = grid.strip()
+    return out
+
+
 def plan_jobs(
     rules: Sequence[Rule | str] | None = None,
     sweeps: dict[str, str | np.ndarray] | None = None,
@@ -85,15 +99,16 @@ def plan_jobs(
 ) -> tuple[list[Job], list[str]]:
     """Rules + sweeps -> jobs, and notes on what was skipped (data lacking a column).
 
-    Without rules: every rule that the columns support, each threshold parameter swept over
-    its default grid. `sweeps` maps `param` or `rule.param` to a GRID (text or array).
+    rules=None: every rule that the columns support, each threshold parameter swept over
+    its default grid (rules=[]: no rule, metrics only). `sweeps` maps `param` or
+    `rule.param` to a GRID (text or array).
     """
     grids = {
         k: (parse_grid(v) if isinstance(v, str) else np.unique(np.asarray(v, float)))
         for k, v in (sweeps or {}).items()
     }
     notes: list[str] = []
-    explicit = rules is not None and len(rules) > 0
+    explicit = rules is not None
     if explicit:
         chosen = [parse_rule(r) if isinstance(r, str) else r for r in rules]
     else:
@@ -109,7 +124,7 @@ def plan_jobs(
     for rule in chosen:
         lacking = [c for c in rule.needs if c not in columns]
         if lacking and explicit:
-            raise UsageError(
+            raise DataError(
                 f"rule '{rule.name}' needs the column(s) {', '.join(lacking)}, which the log "
                 f"does not have (found: {', '.join(columns)}). Map one with --map "
                 f"{lacking[0]}=COLUMN."
@@ -501,7 +516,8 @@ class SweepResult:
     table: pl.DataFrame  # the long sweep table (one row per job x value x group)
     metrics: pl.DataFrame  # mismatch metrics per group
     tally: Tally
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. rules skipped for lack of a column
+    warnings: list[str] = field(default_factory=list)  # e.g. a preset's framework quirk
 
 
 # ----------------------------------------------------------------------------- running
@@ -552,11 +568,9 @@ def replay(
         if progress is not None:
             progress(tally.report.rows, total)
     if tally.report.loss_rows == 0:
-        from .errors import DataError
-
         raise DataError(
             f"{plan.files[0]}{' and others' if len(plan.files) > 1 else ''}: no loss tokens "
-            f"to replay ({tally.report.rows:,} rows read, none with loss_mask true and valid). "
+            f"to replay ({tally.report.rows:,} row(s) read, none with loss_mask true and valid). "
             "Check the loss_mask column and the --map options."
         )
     return tally

@@ -133,6 +133,19 @@ class Plan:
 # ----------------------------------------------------------------------------- sources
 
 
+def parse_mapping(items: Sequence[str]) -> dict[str, str]:
+    """`--map canonical=theirs` items -> {canonical: theirs}."""
+    out: dict[str, str] = {}
+    for item in items:
+        canon, sep, theirs = item.partition("=")
+        if not sep or not canon.strip() or not theirs.strip():
+            raise UsageError(
+                f"--map {item}: use canonical=theirs, e.g. --map trainer_logprob=lp_train."
+            )
+        out[canon.strip()] = theirs.strip()
+    return out
+
+
 def resolve_sources(sources: Sequence[str | Path]) -> list[Path]:
     """Expand files, directories (recursively, `*.parquet`) and globs; keep order, no dups."""
     if not sources:
@@ -346,12 +359,13 @@ def _problems(df: pl.DataFrame, plan: Plan) -> list[tuple[str, str, pl.Expr]]:
             out.append((c, "null", x.is_null()))
             out.append((c, "NaN or a probability below 0", x.is_nan()))
             out.append((c, "a probability of 0 (log-prob -inf)", x.is_infinite() & (x < 0)))
-            out.append((c, "a probability above 1", x > POSITIVE_TOLERANCE))
+            out.append((c, "a probability above 1", x.is_finite() & (x > POSITIVE_TOLERANCE)))
         else:
             out.append((c, "null", x.is_null()))
             out.append((c, "NaN", x.is_nan()))
             out.append((c, "+inf or -inf", x.is_infinite()))
-            out.append((c, f"above 0 by more than {POSITIVE_TOLERANCE:g}", x > POSITIVE_TOLERANCE))
+            above = x.is_finite() & (x > POSITIVE_TOLERANCE)  # polars orders NaN above all
+            out.append((c, f"above 0 by more than {POSITIVE_TOLERANCE:g}", above))
     if "advantage" in df.columns:
         a = pl.col("advantage")
         out.append(("advantage", "null, NaN or infinite", a.is_null() | ~a.is_finite()))

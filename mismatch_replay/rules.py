@@ -852,3 +852,34 @@ def parse_grid(text: str) -> np.ndarray:
 
 def catalogue() -> list[type[Rule]]:
     return list(REGISTRY.values())
+
+
+def catalogue_records() -> list[dict]:
+    """The catalogue as plain records (what `mismatch-replay rules` prints)."""
+    recs = []
+    for cls in REGISTRY.values():
+        defaults = cls.defaults()
+        recs.append(
+            {
+                "name": cls.name,
+                "title": cls.title,
+                "level": cls.level,
+                "kind": cls.kind,
+                "needs": list(cls.needs),
+                "definition": cls.definition,
+                "source": cls.source,
+                "params": [
+                    {
+                        "name": p.name,
+                        "default": defaults[p.name],
+                        "doc": p.doc,
+                        "grid": p.grid,
+                        "threshold": p.threshold,
+                    }
+                    for p in cls.params
+                ],
+                "presets": {k: dict(v) for k, v in cls.presets.items()},
+                "preset_notes": dict(cls.preset_notes),
+            }
+        )
+    return recs

@@ -261,3 +261,17 @@ def sweep_table(tally: Tally) -> pl.DataFrame:
         return pl.DataFrame()
     df = pl.concat(frames, how="vertical_relaxed")
     return df
+
+
+def preview(df: pl.DataFrame, per_job: int = 9) -> pl.DataFrame:
+    """A readable subset of a long sweep table: per rule/param/setting (and group), at most
+    `per_job` values, evenly spread over the grid (its ends included)."""
+    keys = ["rule", "setting", "param"]
+    parts = []
+    for _, part in df.group_by(keys, maintain_order=True):
+        values = part["value"].unique(maintain_order=True).to_numpy()
+        if values.size > per_job:
+            pick = values[np.unique(np.linspace(0, values.size - 1, per_job).round().astype(int))]
+            part = part.filter(pl.col("value").is_in(pick.tolist()))
+        parts.append(part)
+    return pl.concat(parts) if parts else df

@@ -1,0 +1,401 @@
+"""The `mismatch-replay` command line: parse, call one library function, format.
+
+Design
+------
+No computation lives here. Each command turns its options into library arguments, calls one
+function (`engine.sweep`, `summary.inspect_log`, ...) and formats the result: a rich table on
+stdout by default, machine-readable output with `--json` or `-o FILE`. Progress bars and
+notes go to stderr so that stdout can be piped. Library errors (`ReplayError`) become one
+readable line on stderr and exit code 1 (bad data) or 2 (bad usage); no traceback.
+Heavy modules are imported inside the commands so that `--help` starts fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import __version__
+from .errors import ReplayError
+
+app = typer.Typer(
+    name="mismatch-replay",
+    help=(
+        "Replay logged trainer/inference token probabilities through every masking rule "
+        "(IPO, IcePop, KPop, DPPO, TIS, sequence rules, ...) across threshold sweeps."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(width=None if sys.stdout.isatty() else 140)
+err = Console(stderr=True)
+
+# ----------------------------------------------------------------------------- shared options
+
+Sources = Annotated[
+    list[str],
+    typer.Argument(help="Parquet files, directories (searched recursively) or globs."),
+]
+MapOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--map",
+        help="Use another column name: canonical=theirs (repeatable), "
+        "e.g. --map trainer_logprob=lp_train.",
+    ),
+]
+ProbsOpt = Annotated[
+    bool, typer.Option("--probs", help="The mapped columns hold probabilities, not log-probs.")
+]
+DropOpt = Annotated[
+    bool,
+    typer.Option(
+        "--drop-invalid",
+        help="Drop rows with NaN, inf, log-probs > 0, ... and report how many (default: error).",
+    ),
+]
+BatchOpt = Annotated[
+    int, typer.Option("--batch-rows", min=1, help="Rows per streamed batch (bounds memory).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
+
+
+def _options(map_: list[str] | None, probs: bool, drop: bool, batch_rows: int):
+    from .io import ReadOptions, parse_mapping
+
+    return ReadOptions(
+        mapping=parse_mapping(map_ or []),
+        probs=probs,
+        drop_invalid=drop,
+        batch_rows=batch_rows,
+    )
+
+
+@contextmanager
+def _progress(label: str):
+    """A rich progress bar on stderr; yields a callback(done, total)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not err.is_terminal:
+        yield None
+        return
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} rows"),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _run(fn: Callable[[], None]) -> None:
+    """Run a command body; library errors become one line on stderr and an exit code."""
+    try:
+        fn()
+    except ReplayError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(exc.exit_code) from None
+
+
+def _report_drops(report) -> None:
+    if report.dropped_rows:
+        err.print(
+            f"[yellow]dropped {report.dropped_rows:,} invalid loss rows[/] (--drop-invalid):",
+            highlight=False,
+        )
+        for (f, c), n in report.dropped.items():
+            if not c.startswith("*"):
+                err.print(f"  {f}: {c}: {n:,}", highlight=False)
+
+
+def _add_row(t: Table, *cells: str) -> None:
+    """Add a row of plain text (brackets in rule settings are not rich markup)."""
+    t.add_row(*[escape(c) for c in cells])
+
+
+def _fmt_num(x, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1e4 or abs(x) < 1e-3:
+        return f"{x:.3g}"
+    return f"{x:.{digits}g}"
+
+
+def _pct(x) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0%"
+    return f"{100 * x:.3g}%"
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@app.command()
+def rules(json_: JsonOpt = False) -> None:
+    """The rule catalogue: parameters, defaults, presets, definitions and sources."""
+    from .rules import catalogue_records
+
+    recs = catalogue_records()
+    if json_:
+        from .output import to_json
+
+        print(to_json({"rules": recs}))
+        return
+    t = Table(title="mismatch-replay rule catalogue", show_lines=True)
+    for c in ("rule", "level", "kind", "parameters (default)", "presets", "masked when / source"):
+        t.add_column(c, overflow="fold")
+    for r in recs:
+        params = "\n".join(f"{p['name']}={_fmt_num(p['default'])}" for p in r["params"])
+        presets = "\n".join(
+            f"@{k}: " + ",".join(f"{a}={_fmt_num(b)}" for a, b in v.items())
+            for k, v in r["presets"].items()
+        )
+        needs = f"\nneeds: {', '.join(r['needs'])}" if r["needs"] else ""
+        _add_row(
+            t,
+            r["name"],
+            r["level"],
+            r["kind"],
+            params,
+            presets or "-",
+            f"{r['definition']}\n{r['source']}{needs}",
+        )
+    out.print(t)
+
+
+@app.command()
+def inspect(
+    sources: Sources,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+) -> None:
+    """What a log holds: columns found, rows, loss tokens, steps, sequences, invalid rows, and
+    the trainer-inference mismatch (k1, k3 KL, |dp|) overall and per step."""
+
+    def body():
+        from .summary import inspect_log
+
+        with _progress("inspect") as cb:
+            s = inspect_log(sources, _options(map_, probs, True, batch_rows), progress=cb)
+        if json_:
+            from .output import to_json
+
+            print(to_json(s.to_dict()))
+            return
+        t = Table(title="log", show_header=False)
+        t.add_column("what", style="bold")
+        t.add_column("value", overflow="fold")
+        _add_row(t, "files", "\n".join(s.files) if len(s.files) <= 5 else f"{len(s.files)} files")
+        _add_row(t, "layout", s.layout)
+        _add_row(
+            t,
+            "columns",
+            ", ".join(f"{c} <- {src}" if c != src else c for c, src in s.source.items()),
+        )
+        if s.probs:
+            _add_row(t, "probabilities", ", ".join(s.probs) + " (converted to log-probs)")
+        _add_row(t, "rows", f"{s.rows:,}")
+        _add_row(t, "loss tokens", f"{s.loss_tokens:,}")
+        _add_row(t, "steps", f"{s.steps:,}")
+        _add_row(t, "sequences", "-" if s.sequences is None else f"{s.sequences:,}")
+        inv = "none" if not s.invalid else "\n".join(f"{k}: {v:,}" for k, v in s.invalid.items())
+        _add_row(t, "invalid rows", inv)
+        out.print(t)
+        from .metrics import NAMES
+
+        m = Table(title="mismatch (loss tokens)")
+        m.add_column("metric")
+        m.add_column("value", justify="right")
+        m.add_column("framework name", style="dim")
+        for k, v in s.metrics.items():
+            _add_row(m, k, _fmt_num(v), NAMES.get(k, ("", ""))[0])
+        out.print(m)
+        if s.steps > 1:
+            st = Table(title="per step")
+            cols = ("step", "tokens", "kl_k1", "kl_k3", "kl_k3_max", "abs_dp_mean")
+            for c in cols:
+                st.add_column(c, justify="right")
+            for row in s.per_step.iter_rows(named=True):
+                _add_row(st, *[_fmt_num(row[c]) for c in cols])
+            out.print(st)
+
+    _run(body)
+
+
+@app.command()
+def sweep(
+    sources: Sources,
+    rule: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rule",
+            "-r",
+            help="Rule SPEC (repeatable): name[:param=value,...] or name@preset, "
+            "e.g. ipo:eps=0.3, icepop@verl. Default: every rule the log supports.",
+        ),
+    ] = None,
+    sweep_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--sweep",
+            "-s",
+            help="Sweep a parameter: PARAM=GRID or RULE.PARAM=GRID; GRID is a,b,c or "
+            "start:stop:num[:log] (repeatable).",
+        ),
+    ] = None,
+    by: Annotated[
+        str | None, typer.Option("--by", help="Group the counts by 'step' or 'env'.")
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Write the full table: .csv, .parquet or .json."),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
+    all_rows: Annotated[
+        bool, typer.Option("--all", help="Print every row (default: a preview of long sweeps).")
+    ] = False,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+) -> None:
+    """Replay the log through each rule at every value of its grid, in one streaming pass.
+
+    Prints, per rule and value, the tokens and sequences it masks (or, for weight rules,
+    truncates) and the |p - q| mass it drops. Without --rule: every rule the log supports,
+    each threshold parameter swept over its default grid (>= 100 values).
+    """
+
+    def body():
+        from .engine import parse_sweeps
+        from .engine import sweep as run_sweep
+
+        if output is not None:
+            from .output import check_target
+
+            check_target(output, force)
+        opts = _options(map_, probs, drop_invalid, batch_rows)
+        with _progress("sweep") as cb:
+            res = run_sweep(
+                sources,
+                rules=rule or None,
+                sweeps=parse_sweeps(sweep_ or []),
+                by=by,
+                options=opts,
+                progress=cb,
+            )
+        _report_drops(res.tally.report)
+        for note in res.notes:
+            err.print(f"[dim]note: {note}[/]", highlight=False)
+        for w in res.warnings:
+            err.print(f"[yellow]warning:[/] {w}", highlight=False)
+        meta = {"command": " ".join(["mismatch-replay", *sys.argv[1:]]), "version": __version__}
+        if output is not None:
+            from .output import write_table
+
+            write_table(res.table, output, force=force, meta=meta)
+            err.print(f"wrote {res.table.height:,} rows to {output}", highlight=False)
+            return
+        if json_:
+            from .output import to_json
+
+            print(to_json({**meta, "rows": res.table.to_dicts()}))
+            return
+        _print_sweep(res.table, by, all_rows)
+
+    _run(body)
+
+
+def _print_sweep(df, by: str | None, all_rows: bool) -> None:
+    import polars as pl
+
+    from .tables import preview
+
+    shown = df if all_rows else preview(df)
+    seqs = df["sequences"].null_count() < df.height
+    for kind in ("mask", "weight"):
+        part = shown.filter(pl.col("kind") == kind)
+        if part.height == 0:
+            continue
+        verb = "masked" if kind == "mask" else "truncated"
+        t = Table(
+            title=f"{verb} by each {kind} rule, of {df['tokens'].max():,} loss tokens",
+            show_edge=False,
+        )
+        cols = ["rule [fixed]", "param", "value"] + ([by] if by else [])
+        if kind == "mask":
+            cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
+        else:
+            cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
+        for c in cols:
+            t.add_column(escape(c), justify="left" if c in ("rule [fixed]", "param") else "right")
+        prev = None
+        for r in part.iter_rows(named=True):
+            label = r["rule"] + (f" [{r['setting']}]" if r["setting"] else "")
+            row = [label if label != prev else "", r["param"], _fmt_num(r["value"])]
+            prev = label
+            if by:
+                row.append(str(r[by]))
+            if kind == "mask":
+                row += [_pct(r["masked_fraction"]), f"{r['masked_tokens']:,}"]
+                if seqs:
+                    row.append(_pct(r["masked_sequence_fraction"]))
+                row.append(_pct(r["masked_mass_fraction"]))
+            else:
+                row += [
+                    _pct(r["truncated_fraction"]),
+                    f"{r['truncated_tokens']:,}",
+                    _fmt_num(r["weight_mean"]),
+                    _fmt_num(r["weight_max"]),
+                    _pct(r["weight_ess"]),
+                ]
+            _add_row(t, *row)
+        out.print(t)
+    if shown.height < df.height:
+        err.print(
+            f"[dim]showing {shown.height:,} of {df.height:,} rows; --all prints every row, "
+            "-o FILE.csv|.parquet|.json writes them.[/]",
+            highlight=False,
+        )
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    if version:
+        print(f"mismatch-replay {__version__}")
+        raise typer.Exit(0)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
