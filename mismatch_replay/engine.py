@@ -39,7 +39,26 @@ from .errors import DataError, UsageError
 from .metrics import MetricSums
 from .rules import REGISTRY, Rule, SeqStats, TokenBatch, parse_grid, parse_rule
 
-GROUP_KEYS = ("step", "env")
+GROUP_KEYS = ("step", "env", "q_bucket")
+# --by q_bucket: inference-probability buckets, labelled by their lower edge.
+Q_BUCKET_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
+# The scatter: fixed 2-D histograms of (q, p), additive like everything else in a Tally.
+SCATTER_BINS = 200
+SCATTER_LOG10_MIN = -8.0  # log panel spans 1e-8 .. 1; smaller probabilities go to the edge bin
+
+
+def scatter_edges(log: bool) -> np.ndarray:
+    """Bin edges of the scatter histograms (probability, or log10 probability)."""
+    lo = SCATTER_LOG10_MIN if log else 0.0
+    hi = 0.0 if log else 1.0
+    return np.linspace(lo, hi, SCATTER_BINS + 1)
+
+
+def _scatter_index(x: np.ndarray, log: bool) -> np.ndarray:
+    lo = SCATTER_LOG10_MIN if log else 0.0
+    width = ((0.0 if log else 1.0) - lo) / SCATTER_BINS
+    i = np.floor((x - lo) / width).astype(np.int64)
+    return np.clip(i, 0, SCATTER_BINS - 1)
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -281,6 +300,13 @@ class Tally:
     seq: dict[str, _Grow] = field(default_factory=dict)
     seq_max: dict[int, _Grow] = field(default_factory=dict)
     m2po: list[dict[str, np.ndarray]] = field(default_factory=list)
+    # scatter histograms, [q bin, p bin]: linear probability axes and log10 axes
+    hist_lin: np.ndarray = field(
+        default_factory=lambda: np.zeros((SCATTER_BINS, SCATTER_BINS), np.int64)
+    )
+    hist_log: np.ndarray = field(
+        default_factory=lambda: np.zeros((SCATTER_BINS, SCATTER_BINS), np.int64)
+    )
     report: io.ReadReport = field(default_factory=io.ReadReport)
     notes: list[str] = field(default_factory=list)
 
@@ -303,7 +329,12 @@ class Tally:
                 self.groups.append(None)
                 self._gidx[None] = 0
             return np.zeros(df.height, dtype=np.int64)
-        col = df[self.by]
+        if self.by == "q_bucket":
+            q = np.exp(df["inference_logprob"].to_numpy())
+            col = pl.Series("q_bucket", np.asarray(Q_BUCKET_EDGES)[_bucket(q)])
+            df = pl.DataFrame([col])
+        else:
+            col = df[self.by]
         u = col.unique(maintain_order=True).to_list()
         for v in u:
             if v not in self._gidx:
@@ -351,6 +382,7 @@ class Tally:
         G = len(self.groups)
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
         self.metrics.add(tb, g, G, ent)
+        self._add_scatter(tb)
         seq = self._seq_codes(df) if self.has_seq else None
         if seq is not None:
             self._add_seq(tb, g, seq)
@@ -383,6 +415,15 @@ class Tally:
                 acc = self.seq_max.setdefault(ji, _Grow(-math.inf))
                 acc.ensure(len(self.seq_keys))
                 acc.a[uniq] = np.maximum(acc.a[uniq], part)
+
+    def _add_scatter(self, tb: TokenBatch) -> None:
+        n = SCATTER_BINS
+        for hist, x, y, log in (
+            (self.hist_lin, tb.q, tb.p, False),
+            (self.hist_log, tb.lq / math.log(10), tb.lp / math.log(10), True),
+        ):
+            idx = _scatter_index(x, log) * n + _scatter_index(y, log)
+            hist += np.bincount(idx, minlength=n * n).reshape(n, n)
 
     def _add_seq(self, tb: TokenBatch, g: np.ndarray, seq) -> None:
         uniq, local = seq[1]
@@ -480,6 +521,9 @@ class Tally:
             c["seq"] = smap[c["seq"]] if self.has_seq else c["seq"]
             self.m2po.append(c)
         self.report += t.report
+        self.hist_lin += t.hist_lin
+        self.hist_log += t.hist_log
+        self.notes = list(dict.fromkeys([*self.notes, *t.notes]))
 
     # -- results
     def seq_stats(self) -> SeqStats:
@@ -504,6 +548,10 @@ class Tally:
             metrics=self.metrics.table(self.by, self.groups),
             tally=self,
         )
+
+
+def _bucket(q: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.asarray(Q_BUCKET_EDGES), q, side="right") - 1
 
 
 def _exp_abs(x: np.ndarray) -> np.ndarray:
@@ -538,6 +586,8 @@ def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]
     if by is not None:
         if by not in GROUP_KEYS:
             raise UsageError(f"--by {by}: group by one of {', '.join(GROUP_KEYS)}.")
+        if by == "q_bucket":
+            return sorted(cols)
         if by not in available and by != "step":
             raise UsageError(
                 f"--by {by}: the log has no '{by}' column (found: {', '.join(available)})."

@@ -179,7 +179,8 @@ def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
     if weight:
         wm, wx, we = _weight_stats(bins, job, inv)
         cols["weight_mean"], cols["weight_max"], cols["weight_ess"] = wm, wx, we
-    return _to_frame(tally, job, cols, gi)
+    df = _to_frame(tally, job, cols, gi)
+    return df.sort([tally.by, "value"]) if tally.by is not None else df
 
 
 def _weight_stats(bins: _JobBins, job: Job, inv: np.ndarray):
