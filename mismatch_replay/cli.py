@@ -37,7 +37,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console(width=None if sys.stdout.isatty() else 140)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 # ----------------------------------------------------------------------------- shared options
 
@@ -270,6 +270,14 @@ def sweep(
     by: Annotated[
         str | None, typer.Option("--by", help="Group the counts by 'step' or 'env'.")
     ] = None,
+    match: Annotated[
+        str | None,
+        typer.Option(
+            "--match",
+            help="Reproduce a trainer's logging conventions: 'prime-rl' drops zero-advantage "
+            "tokens and adds is_masked_mean (prime-rl's is_masked/mean).",
+        ),
+    ] = None,
     output: Annotated[
         Path | None,
         typer.Option("--output", "-o", help="Write the full table: .csv, .parquet or .json."),
@@ -308,6 +316,7 @@ def sweep(
                 by=by,
                 options=opts,
                 progress=cb,
+                match=match,
             )
         _report_drops(res.tally.report)
         for note in res.notes:
@@ -338,6 +347,7 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
 
     shown = df if all_rows else preview(df)
     seqs = df["sequences"].null_count() < df.height
+    prime = df["is_masked_mean"].null_count() < df.height
     for kind in ("mask", "weight"):
         part = shown.filter(pl.col("kind") == kind)
         if part.height == 0:
@@ -350,6 +360,7 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
         cols = ["rule [fixed]", "param", "value"] + ([by] if by else [])
         if kind == "mask":
             cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
+            cols += ["is_masked/mean"] if prime else []
         else:
             cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
         for c in cols:
@@ -366,6 +377,8 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
                 if seqs:
                     row.append(_pct(r["masked_sequence_fraction"]))
                 row.append(_pct(r["masked_mass_fraction"]))
+                if prime:
+                    row.append(_pct(r["is_masked_mean"]))
             else:
                 row += [
                     _pct(r["truncated_fraction"]),

@@ -37,7 +37,7 @@ import polars as pl
 from . import io
 from .errors import DataError, UsageError
 from .metrics import MetricSums
-from .rules import REGISTRY, Rule, SeqStats, TokenBatch, parse_grid, parse_rule
+from .rules import REGISTRY, Rule, SeqStats, TokenBatch, parse_grid, parse_rule, spec_warnings
 
 GROUP_KEYS = ("step", "env", "q_bucket")
 # --by q_bucket: inference-probability buckets, labelled by their lower edge.
@@ -241,9 +241,10 @@ class _JobBins:
     wsq: np.ndarray | None = None
     wmax: np.ndarray | None = None
     seq_count: np.ndarray | None = None  # sequences per bin (sequence-level counts)
+    seqfrac: np.ndarray | None = None  # sum of 1/n_i per bin (prime-rl's is_masked/mean)
 
     def grow(self, groups: int) -> None:
-        for name in ("count", "mass", "wsum", "wsq", "wmax", "seq_count"):
+        for name in ("count", "mass", "wsum", "wsq", "wmax", "seq_count", "seqfrac"):
             a = getattr(self, name)
             if a is not None and a.shape[0] < groups:
                 fill = -math.inf if name == "wmax" else 0
@@ -251,7 +252,7 @@ class _JobBins:
                 setattr(self, name, np.vstack([a, pad]))
 
 
-def _new_bins(k: int, groups: int, weight: bool) -> _JobBins:
+def _new_bins(k: int, groups: int, weight: bool, seqfrac: bool = False) -> _JobBins:
     z = np.zeros((groups, k + 2))
     return _JobBins(
         count=np.zeros((groups, k + 2), dtype=np.int64),
@@ -259,11 +260,19 @@ def _new_bins(k: int, groups: int, weight: bool) -> _JobBins:
         wsum=z.copy() if weight else None,
         wsq=z.copy() if weight else None,
         wmax=np.full((groups, k + 2), -math.inf) if weight else None,
+        seqfrac=z.copy() if seqfrac else None,
     )
 
 
 def _accumulate(
-    bins: _JobBins, b: np.ndarray, g: np.ndarray, groups: int, mass, weight=None, count=None
+    bins: _JobBins,
+    b: np.ndarray,
+    g: np.ndarray,
+    groups: int,
+    mass,
+    weight=None,
+    count=None,
+    inv_n=None,
 ) -> None:
     width = bins.count.shape[1]
     idx = g * width + b
@@ -280,6 +289,8 @@ def _accumulate(
         )
         flat = bins.wmax.reshape(-1)
         np.maximum.at(flat, idx, weight)
+    if inv_n is not None and bins.seqfrac is not None:
+        bins.seqfrac += np.bincount(idx, weights=inv_n, minlength=size).reshape(groups, width)
 
 
 # ----------------------------------------------------------------------------- tally
@@ -309,13 +320,16 @@ class Tally:
     )
     report: io.ReadReport = field(default_factory=io.ReadReport)
     notes: list[str] = field(default_factory=list)
+    # prime-rl conventions (match="prime-rl"): 1 / loss tokens of each sequence, by sequence id
+    inv_n: np.ndarray | None = None
+    rule_warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.bins:
             self.bins = [
                 None
                 if j.rule.level != "token"
-                else _new_bins(len(j.values), 0, j.rule.kind == "weight")
+                else _new_bins(len(j.values), 0, j.rule.kind == "weight", self.inv_n is not None)
                 for j in self.jobs
             ]
         if not self.seq:
@@ -407,7 +421,8 @@ class Tally:
             thr = job.thresholds[job.order]
             b = _bins(score, thr, rule.inclusive)
             w = rule.weight(tb, job.param) if rule.kind == "weight" else None
-            _accumulate(bins, b, g, G, tb.abs_dp, w)
+            inv_n = self.inv_n[seq[0]] if self.inv_n is not None else None
+            _accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n)
             if seq is not None:
                 uniq, local = seq[1]
                 part = np.full(uniq.shape[0], -math.inf)
@@ -483,7 +498,7 @@ class Tally:
             if mine is None:
                 continue
             mine.grow(G)
-            for name in ("count", "mass", "wsum", "wsq"):
+            for name in ("count", "mass", "wsum", "wsq", "seqfrac"):
                 a = getattr(theirs, name)
                 if a is not None and a.shape[0]:
                     np.add.at(getattr(mine, name), gmap[: a.shape[0]], a)
@@ -596,6 +611,9 @@ def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]
     return sorted(cols)
 
 
+MATCH = ("prime-rl",)
+
+
 def replay(
     sources: Sequence[str | Path] | io.Plan,
     rules: Sequence[Rule | str] | None = None,
@@ -603,16 +621,60 @@ def replay(
     by: str | None = None,
     options: io.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    match: str | None = None,
 ) -> Tally:
-    """Stream the sources once and return the Tally for these rules and sweeps."""
+    """Stream the sources once and return the Tally for these rules and sweeps.
+
+    `match="prime-rl"` reproduces prime-rl's logging conventions: zero-advantage tokens are
+    left out of everything, and the table gains `is_masked_mean`, the mean over sequences of
+    each sequence's masked fraction (prime-rl's `is_masked/mean`). That needs each sequence's
+    token count up front, so it costs one extra pass over the log.
+    """
     plan = sources if isinstance(sources, io.Plan) else io.plan_sources(sources, options)
     available = plan.columns
     jobs, notes = plan_jobs(rules, sweeps, available)
     cols = columns_needed(jobs, by, available)
-    tally = Tally(jobs, by, has_seq="sample_id" in cols, has_adv="advantage" in cols)
+    keep = None
+    pre = None
+    if match is not None:
+        if match not in MATCH:
+            raise UsageError(f"--match {match}: known conventions: {', '.join(MATCH)}.")
+        need = [c for c in ("advantage", "sample_id") if c not in available]
+        if need:
+            raise DataError(
+                f"{plan.files[0]}: --match prime-rl drops zero-advantage tokens and averages "
+                f"over sequences, so it needs the column(s) {', '.join(need)} "
+                f"(found: {', '.join(available)}). Map them with --map."
+            )
+        cols = sorted(set(cols) | {"advantage", "sample_id"})
+
+        def keep(df):
+            return df.filter(pl.col("advantage") != 0)
+
+        pre = Tally([], None, has_seq=True)
+        for _, df in io.iter_batches(plan, ["step", "sample_id", "advantage"], pre.report):
+            df = keep(df)
+            if df.height:
+                pre._add_seq(
+                    TokenBatch(
+                        df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
+                    ),
+                    np.zeros(df.height, np.int64),
+                    pre._seq_codes(df),
+                )
+    n_seq = None if pre is None else len(pre.seq_keys)
+    inv_n = None if pre is None else 1.0 / pre.seq["n"].a[:n_seq]
+    tally = Tally(jobs, by, has_seq="sample_id" in cols, has_adv="advantage" in cols, inv_n=inv_n)
+    if pre is not None:
+        tally.seq_keys = dict(pre.seq_keys)
     tally.notes = notes
     total = sum(plan.rows)
+    dropped_zero = 0
     for _, df in io.iter_batches(plan, cols, tally.report):
+        if keep is not None:
+            before = df.height
+            df = keep(df)
+            dropped_zero += before - df.height
         if df.height:
             tally.add_batch(df)
         if progress is not None:
@@ -623,6 +685,12 @@ def replay(
             f"to replay ({tally.report.rows:,} row(s) read, none with loss_mask true and valid). "
             "Check the loss_mask column and the --map options."
         )
+    if match is not None:
+        tally.notes.append(
+            f"prime-rl conventions: {dropped_zero:,} zero-advantage loss tokens left out; "
+            "is_masked_mean = mean over sequences of per-sequence masked fractions"
+        )
+    tally.rule_warnings = spec_warnings(rules or [])
     return tally
 
 
@@ -631,4 +699,5 @@ def sweep(*args, **kwargs) -> SweepResult:
     tally = replay(*args, **kwargs)
     res = tally.result()
     res.notes = list(tally.notes)
+    res.warnings = list(tally.rule_warnings)
     return res

@@ -188,7 +188,10 @@ class Rule:
     definition: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]] = ()
     presets: ClassVar[dict[str, dict[str, float]]] = {}
-    preset_notes: ClassVar[dict[str, str]] = {}
+    preset_notes: ClassVar[dict[str, str]] = {}  # informative, shown by `rules`
+    # Presets that follow a framework's code where it differs from its docs: the warning
+    # printed whenever the preset is used.
+    preset_quirks: ClassVar[dict[str, str]] = {}
     inclusive: ClassVar[bool] = False
 
     # -- parameters
@@ -337,7 +340,19 @@ class TokenMIS(IcePop):
     title = "token-level importance-sampling rejection"
     source = "verl rollout correction / TRL"
     definition = "same test as icepop: r < low or r > high"
-    presets = {"verl": {"low": 0.5, "high": 5.0}, "trl": {"low": 0.5, "high": 2.0}}
+    presets = {
+        "verl": {"low": 0.5, "high": 5.0},
+        "trl": {"low": 0.5, "high": 2.0},
+        "verl-k1": {"low": 1 / 1.6, "high": 1 / 0.6},
+    }
+    preset_notes = {
+        "verl-k1": "verl's token_k1 rejection at its own example threshold '0.6_1.6'",
+    }
+    preset_quirks = {
+        "verl-k1": "verl's *_k1 rejection with a 'lo_hi' threshold keeps 1/hi <= r <= 1/lo: "
+        "its example '0.6_1.6' keeps r in [0.625, 1.667], not [0.6, 1.6]; this preset "
+        "follows the code. For another 'lo_hi' use token-mis:low=1/hi,high=1/lo.",
+    }
     low: float | None = 0.5
     high: float | None = 5.0
 
@@ -421,6 +436,7 @@ class DPPOTV(Rule):
         Param("high", "allowed rise when A > 0", "0.001:1:121:log"),
     )
     presets = {"prime-rl": {"low": 0.2, "high": 0.2}, "verl": {"low": 0.15, "high": 0.15}}
+    preset_notes = {"prime-rl": "A == 0 goes to the low side, as prime-rl's code does"}
     low: float | None = 0.2
     high: float | None = 0.2
 
@@ -822,6 +838,20 @@ def parse_rule(spec: str) -> Rule:
     return cls(**values)
 
 
+def spec_warnings(specs) -> list[str]:
+    """One-line warnings for the presets among `specs` that follow a framework's quirk."""
+    out = []
+    for spec in specs:
+        if not isinstance(spec, str):
+            continue
+        m = _SPEC.match(spec.strip())
+        if m and m["preset"] and m["name"] in REGISTRY:
+            quirk = REGISTRY[m["name"]].preset_quirks.get(m["preset"])
+            if quirk:
+                out.append(f"{m['name']}@{m['preset']}: {quirk}")
+    return out
+
+
 def parse_grid(text: str) -> np.ndarray:
     """`a,b,c` or `start:stop:num[:log]` -> float64 values (sorted, unique)."""
     t = text.strip()
@@ -880,6 +910,33 @@ def catalogue_records() -> list[dict]:
                 ],
                 "presets": {k: dict(v) for k, v in cls.presets.items()},
                 "preset_notes": dict(cls.preset_notes),
+                "preset_quirks": dict(cls.preset_quirks),
             }
         )
     return recs
+
+
+def catalogue_markdown() -> str:
+    """The catalogue as the Markdown table README.md carries (a test keeps them equal)."""
+
+    def num(v) -> str:
+        return "—" if v is None else f"{v:g}"
+
+    lines = [
+        "| rule | level | masked (or truncated) when | parameters (default) | presets | source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in catalogue_records():
+        params = ", ".join(f"`{p['name']}`={num(p['default'])}" for p in r["params"])
+        presets = "; ".join(
+            f"`@{k}` " + ",".join(f"{a}={num(b)}" for a, b in v.items())
+            for k, v in r["presets"].items()
+        )
+        kind = "weight" if r["kind"] == "weight" else r["level"]
+        needs = f" (needs {', '.join(r['needs'])})" if r["needs"] else ""
+        definition = r["definition"].replace("|", "\\|")
+        lines.append(
+            f"| `{r['name']}` | {kind} | {definition}{needs} | {params} | {presets or '—'} "
+            f"| {r['source']} |"
+        )
+    return "\n".join(lines)

@@ -53,10 +53,11 @@ class SimConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    n_experts: int = 0
     infer_dtype: str = "bf16"
     lr: float = 1e-3
-    pretrain_steps: int = 300
-    pretrain_lr: float = 3e-3
+    pretrain_steps: int = 150
+    pretrain_lr: float = 2e-2
     threads: int = 2
     # experiment knobs
     drift_staleness_end: int | None = None
@@ -76,9 +77,12 @@ def _round(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 class _Block(nn.Module):
-    def __init__(self, d: int, n_heads: int) -> None:
+    def __init__(self, d: int, n_heads: int, n_experts: int = 0) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.n_experts = n_experts
+        if n_experts:
+            self.router = nn.Linear(d, n_experts, bias=False)
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -108,16 +112,30 @@ class _Block(nn.Module):
         x = lp(x + lp(F.linear(o, self.proj.weight, self.proj.bias)))
         a = lp(F.layer_norm(x, (d,), self.ln2.weight, self.ln2.bias))
         u = lp(F.gelu(lp(F.linear(a, self.up.weight, self.up.bias))))
-        x = lp(x + lp(F.linear(u, self.down.weight, self.down.bias)))
-        return x
+        if not self.n_experts:
+            return lp(x + lp(F.linear(u, self.down.weight, self.down.bias)))
+        ne = self.n_experts
+        gate = torch.softmax(lp(F.linear(a, self.router.weight)).float(), dim=-1)
+        top = gate.argmax(-1, keepdim=True)
+        w = gate.gather(-1, top)
+        hdim = u.shape[-1] // ne
+        u = u.reshape(b * t, ne, hdim).transpose(0, 1)  # [ne, N, hdim]
+        dw = self.down.weight.view(d, ne, hdim).permute(1, 2, 0)  # [ne, hdim, d]
+        y_all = torch.bmm(u, dw).transpose(0, 1)  # [N, ne, d]
+        y = y_all.gather(1, top.reshape(b * t, 1, 1).expand(b * t, 1, d)).view(b, t, d)
+        y = lp(y + self.down.bias)
+        self.aux = (gate.mean((0, 1)) * F.one_hot(top.squeeze(-1), ne).float().mean((0, 1))).sum() * ne
+        return lp(x + lp(w * y))
 
 
 class _TinyLM(nn.Module):
-    def __init__(self, vocab: int, d: int, n_layers: int, n_heads: int, max_len: int) -> None:
+    def __init__(
+        self, vocab: int, d: int, n_layers: int, n_heads: int, max_len: int, n_experts: int = 0
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(_Block(d, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(_Block(d, n_heads, n_experts) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.act_dtype: torch.dtype | None = None
@@ -222,6 +240,8 @@ def _pretrain(model, world, cfg, gen) -> list[float]:
         tgt = world.probs[env.unsqueeze(1), cur]
         tgt = torch.cat([uniform.expand(len(env), 1, -1), tgt], dim=1)
         loss = -(tgt * logp).sum(-1).mean()
+        if cfg.n_experts:
+            loss = loss + 0.01 * sum(blk.aux for blk in model.blocks)
         lr = (
             cfg.pretrain_lr
             * min(1.0, (i + 1) / 20)
@@ -313,9 +333,9 @@ def _run(cfg: SimConfig, progress):
     total = cfg.prompt_len + cfg.seq_len
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = _TinyLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, total)
-        sampler = _TinyLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, total)
-        old = _TinyLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, total)
+        model = _TinyLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, total, cfg.n_experts)
+        sampler = _TinyLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, total, cfg.n_experts)
+        old = _TinyLM(cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, total, cfg.n_experts)
     tp = time.perf_counter()
     losses = _pretrain(model, world, cfg, gen)
     t_pre = time.perf_counter() - tp
@@ -339,12 +359,13 @@ def _run(cfg: SimConfig, progress):
         )
     }
     k3_steps, rew_steps, stal_steps = [], [], []
-    for t in range(cfg.steps):
-        s_t = int(round(_schedule(s0, cfg.drift_staleness_end, t, cfg.steps)))
+    warm = s0 if cfg.extra.get("warm", True) else 0
+    for t in range(-warm, cfg.steps):
+        s_t = int(round(_schedule(s0, cfg.drift_staleness_end, max(t, 0), cfg.steps)))
         s_eff = min(s_t, len(snaps) - 1)
-        lr_t = _schedule(cfg.lr, cfg.drift_lr_end, t, cfg.steps)
+        lr_t = _schedule(cfg.lr, cfg.drift_lr_end, max(t, 0), cfg.steps)
         bits = cfg.drift_logit_bits_end
-        bits_t = None if bits is None else int(round(_schedule(8, bits, t, cfg.steps)))
+        bits_t = None if bits is None else int(round(_schedule(8, bits, max(t, 0), cfg.steps)))
         behav = snaps[-1 - s_eff]
         _load_lowp(sampler, behav, lowp)
         old.load_state_dict(behav)
@@ -360,7 +381,13 @@ def _run(cfg: SimConfig, progress):
         logits = model(seq[:, :-1])
         tr_lp, logp_all = _token_logprobs(logits, tgt)
         ent = -(logp_all.exp() * logp_all).sum(-1).detach()
-        reward = world.goal[env.unsqueeze(1), resp].float().mean(1)
+        hit = world.goal[env.unsqueeze(1), resp].float()
+        if cfg.extra.get("reward", "frac") == "frac":
+            reward = hit.mean(1)
+        elif cfg.extra["reward"] == "last":
+            reward = hit[:, -1]
+        else:
+            reward = (hit.mean(1) > cfg.extra["reward"]).float()
         g = reward.view(n_prompts, cfg.group_size)
         adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).reshape(-1)
         mask = torch.zeros_like(tgt, dtype=torch.bool)
@@ -374,6 +401,8 @@ def _run(cfg: SimConfig, progress):
         snaps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         if len(snaps) > 64:
             snaps.pop(0)
+        if t < 0:
+            continue
         inf_lp = torch.cat([p_lp_inf, r_lp_inf], 1)
         tr = tr_lp.detach().double()
         inf = inf_lp.double()

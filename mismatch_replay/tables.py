@@ -9,8 +9,8 @@ reports the same columns:
 
 rule, setting (the fixed parameters), param, value, [group], tokens, masked_tokens,
 masked_fraction, truncated_tokens, truncated_fraction, sequences, masked_sequences,
-masked_sequence_fraction, masked_mass, masked_mass_fraction, weight_mean, weight_max,
-weight_ess, level, kind, spec.
+masked_sequence_fraction, masked_mass, masked_mass_fraction, is_masked_mean (prime-rl's
+is_masked/mean, with match="prime-rl"), weight_mean, weight_max, weight_ess, level, kind, spec.
 
 Undefined values (no sequences in the log, a weight statistic of a mask rule) are null.
 """
@@ -39,6 +39,7 @@ COLUMNS = (
     "masked_sequence_fraction",
     "masked_mass",
     "masked_mass_fraction",
+    "is_masked_mean",
     "weight_mean",
     "weight_max",
     "weight_ess",
@@ -116,8 +117,10 @@ def _m2po_job_bins(tally: Tally, job: Job, G: int) -> _JobBins:
     m = m2po_scores(tally)
     thr = job.thresholds[job.order]
     b = _bins(m["score"], thr, True)
-    bins = _new_bins(len(job.values), G, False)
-    _accumulate(bins, b, m["g"], G, m["mass"])
+    matching = tally.inv_n is not None
+    bins = _new_bins(len(job.values), G, False, matching)
+    inv_n = tally.inv_n[m["seq"]] if matching else None
+    _accumulate(bins, b, m["g"], G, m["mass"], inv_n=inv_n)
     if tally.has_seq:
         n = len(tally.seq_keys)
         smax = np.full(n, -math.inf)
@@ -174,6 +177,11 @@ def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
         seq_suf = _suffix(bins.seq_count)
         cols["sequences"] = np.broadcast_to(bins.seq_count.sum(axis=1)[:, None], (G, K))
         cols["masked_sequences"] = np.zeros((G, K), dtype=np.int64) if weight else seq_suf[:, k_idx]
+    if tally.inv_n is not None and not weight and "sequences" in cols:
+        if bins.seqfrac is not None:  # token rules: mean over sequences of masked fractions
+            cols["is_masked_mean"] = _frac(_suffix(bins.seqfrac)[:, k_idx], cols["sequences"])
+        else:  # sequence rules mask whole sequences
+            cols["is_masked_mean"] = _frac(cols["masked_sequences"], cols["sequences"])
     cols["masked_mass"] = np.zeros((G, K)) if weight else masked_mass
     cols["masked_mass_total"] = np.broadcast_to(mass_tot[:, None], (G, K))
     if weight:
@@ -239,6 +247,11 @@ def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFram
         data["masked_sequence_fraction"] = np.full(n_rows, np.nan)
     data["masked_mass"] = flat["masked_mass"].astype(float)
     data["masked_mass_fraction"] = _frac(flat["masked_mass"], flat["masked_mass_total"])
+    data["is_masked_mean"] = (
+        flat["is_masked_mean"].astype(float)
+        if "is_masked_mean" in flat
+        else np.full(n_rows, np.nan)
+    )
     for k in ("weight_mean", "weight_max", "weight_ess"):
         data[k] = flat[k].astype(float) if k in flat else np.full(n_rows, np.nan)
     data["level"] = [rule.level] * n_rows

@@ -1,0 +1,155 @@
+"""Ingest: layouts, aliases, probabilities, projection and validation of the token table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from mismatch_replay import engine, io
+from mismatch_replay.errors import DataError, UsageError
+
+GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
+
+
+def test_canonical_log_reads_back_unchanged():
+    raw = pl.read_parquet(GOLDEN).filter("loss_mask")
+    got = io.read_table([GOLDEN])
+    assert got.height == raw.height == 19598
+    cols = ["step", "sample_id", "position", "trainer_logprob", "inference_logprob", "advantage"]
+    assert got.select(cols).equals(raw.select(cols))
+
+
+def test_projection_reads_only_what_is_asked():
+    got = io.read_table([GOLDEN], columns=["trainer_logprob", "inference_logprob"])
+    assert set(got.columns) == {"trainer_logprob", "inference_logprob", "step"}
+
+
+def test_batch_size_does_not_change_the_table():
+    a = io.read_table([GOLDEN])
+    b = io.read_table([GOLDEN], io.ReadOptions(batch_rows=777))
+    assert a.equals(b)
+
+
+def _as_lists(df: pl.DataFrame, names: dict[str, str]) -> pl.DataFrame:
+    """Token rows -> one row per sequence with list columns, under trainer-style names."""
+    return (
+        df.sort("step", "sample_id", "position")
+        .group_by("step", "sample_id", maintain_order=True)
+        .agg(
+            pl.col("trainer_logprob").alias(names["trainer_logprob"]),
+            pl.col("inference_logprob").alias(names["inference_logprob"]),
+            pl.col("loss_mask").alias(names["loss_mask"]),
+            pl.col("advantage").first().alias(names["advantage"]),
+            pl.col("env").first().alias(names["env"]),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        {  # slime-like
+            "trainer_logprob": "log_probs",
+            "inference_logprob": "rollout_log_probs",
+            "loss_mask": "loss_masks",
+            "advantage": "advantages",
+            "env": "env_name",
+        },
+        {  # NeMo-RL-like
+            "trainer_logprob": "prev_logprobs",
+            "inference_logprob": "generation_logprobs",
+            "loss_mask": "token_loss_mask",
+            "advantage": "advantages",
+            "env": "task",
+        },
+    ],
+)
+def test_list_columns_with_trainer_names_give_identical_counts(tmp_path, names):
+    src = pl.read_parquet(GOLDEN)
+    lists = _as_lists(src, names)
+    lists.write_parquet(tmp_path / "lists.parquet")
+    plan = io.plan_sources([tmp_path / "lists.parquet"])
+    assert plan.per_sequence and plan.source["trainer_logprob"] == names["trainer_logprob"]
+    specs = ["ipo:eps=0.05", "icepop@prime-rl", "seq-mis@verl", "opsm:delta=0.005", "m2po"]
+    a = engine.sweep([GOLDEN], rules=specs).table
+    b = engine.sweep([tmp_path / "lists.parquet"], rules=specs).table
+    assert a["masked_tokens"].to_list() == b["masked_tokens"].to_list()
+    assert a["masked_sequences"].to_list() == b["masked_sequences"].to_list()
+
+
+def test_list_layout_without_ids_numbers_sequences_and_positions(tmp_path):
+    pl.DataFrame(
+        {"trainer_logprobs": [[-0.1, -0.2], [-0.3]], "inference_logprobs": [[-0.1, -0.3], [-0.2]]}
+    ).write_parquet(tmp_path / "a.parquet")
+    pl.DataFrame(
+        {"trainer_logprobs": [[-0.5]], "inference_logprobs": [[-0.4]]}
+    ).write_parquet(tmp_path / "b.parquet")
+    t = io.read_table([tmp_path / "a.parquet", tmp_path / "b.parquet"])
+    assert t["sample_id"].to_list() == [0, 0, 1, 2]
+    assert t["position"].to_list() == [0, 1, 0, 0]
+
+
+def test_probability_columns_detected_by_name(tmp_path):
+    pl.DataFrame({"trainer_probs": [0.5, 1.0], "inference_probs": [0.25, 1.0]}).write_parquet(
+        tmp_path / "p.parquet"
+    )
+    plan = io.plan_sources([tmp_path / "p.parquet"])
+    assert plan.probs == {"trainer_logprob", "inference_logprob"}
+    t = io.read_table(plan)
+    np.testing.assert_allclose(t["trainer_logprob"], [math.log(0.5), 0.0])
+    np.testing.assert_allclose(t["inference_logprob"], [math.log(0.25), 0.0])
+
+
+def test_loss_mask_false_rows_are_ignored_even_when_invalid(tmp_path):
+    pl.DataFrame(
+        {
+            "trainer_logprob": [None, -0.1, math.nan],
+            "inference_logprob": [-0.2, -0.1, 0.7],
+            "loss_mask": [False, True, False],
+        }
+    ).write_parquet(tmp_path / "m.parquet")
+    t = io.read_table([tmp_path / "m.parquet"])
+    assert t.height == 1
+
+
+def test_map_to_a_column_that_is_not_there(tmp_path):
+    pl.DataFrame({"trainer_logprob": [-0.1], "inference_logprob": [-0.2]}).write_parquet(
+        tmp_path / "x.parquet"
+    )
+    with pytest.raises(DataError, match="names column 'nope'"):
+        io.plan_sources([tmp_path / "x.parquet"], io.ReadOptions(mapping={"advantage": "nope"}))
+    with pytest.raises(UsageError, match="not a canonical column"):
+        io.plan_sources([tmp_path / "x.parquet"], io.ReadOptions(mapping={"bogus": "x"}))
+
+
+def test_invalid_rows_error_counts_the_whole_file(tmp_path):
+    n = 5000
+    lp = np.full(n, -0.1)
+    lp[[10, 3000, 4999]] = np.nan
+    pl.DataFrame({"trainer_logprob": lp, "inference_logprob": np.full(n, -0.1)}).write_parquet(
+        tmp_path / "big.parquet"
+    )
+    with pytest.raises(DataError, match=r"3 of 5,000 loss rows are NaN"):
+        io.read_table([tmp_path / "big.parquet"], io.ReadOptions(batch_rows=100))
+    report = io.ReadReport()
+    t = io.read_table(
+        [tmp_path / "big.parquet"], io.ReadOptions(batch_rows=100, drop_invalid=True), None, report
+    )
+    assert t.height == n - 3 and report.dropped_rows == 3
+
+
+def test_sources_deduplicate_and_keep_order(tmp_path):
+    for name in ("b", "a"):
+        pl.DataFrame({"trainer_logprob": [-0.1], "inference_logprob": [-0.2]}).write_parquet(
+            tmp_path / f"{name}.parquet"
+        )
+    files = io.resolve_sources([tmp_path / "b.parquet", tmp_path, str(tmp_path / "*.parquet")])
+    assert [f.name for f in files] == ["b.parquet", "a.parquet"]
+    with pytest.raises(UsageError):
+        io.resolve_sources([])
+    with pytest.raises(DataError, match="matches no file"):
+        io.resolve_sources([str(tmp_path / "*.nothing")])
