@@ -100,7 +100,12 @@ def test_sweep_single_setting_json_matches_golden():
     d = strict_json(res.stdout)
     assert d["schema_version"] == 1 and "mismatch-replay" in d["command"]
     ipo, tis = d["rows"]
-    assert (ipo["rule"], ipo["param"], ipo["value"], ipo["masked_tokens"]) == ("ipo", "eps", 0.3, 29)
+    assert (ipo["rule"], ipo["param"], ipo["value"], ipo["masked_tokens"]) == (
+        "ipo",
+        "eps",
+        0.3,
+        29,
+    )
     assert ipo["tokens"] == 19598 and ipo["truncated_tokens"] == 0
     assert tis["masked_tokens"] == 0 and tis["truncated_tokens"] == 4
     for col in ("masked_fraction", "sequences", "masked_sequences", "masked_mass_fraction"):
@@ -123,14 +128,26 @@ def test_sweep_default_runs_every_rule_over_a_100_point_grid(tmp_path):
 def test_sweep_grid_forms_and_rule_qualified_sweeps():
     d = strict_json(
         run(
-            "sweep", GOLDEN, "-r", "ipo", "-r", "icepop@prime-rl", "--sweep", "eps=0.05,0.3",
-            "--sweep", "icepop.high=2:8:3", "--json",
+            "sweep",
+            GOLDEN,
+            "-r",
+            "ipo",
+            "-r",
+            "icepop@prime-rl",
+            "--sweep",
+            "eps=0.05,0.3",
+            "--sweep",
+            "icepop.high=2:8:3",
+            "--json",
         ).stdout
     )
     got = [(r["rule"], r["param"], r["value"]) for r in d["rows"]]
     assert got == [
-        ("ipo", "eps", 0.05), ("ipo", "eps", 0.3),
-        ("icepop", "high", 2.0), ("icepop", "high", 5.0), ("icepop", "high", 8.0),
+        ("ipo", "eps", 0.05),
+        ("ipo", "eps", 0.3),
+        ("icepop", "high", 2.0),
+        ("icepop", "high", 5.0),
+        ("icepop", "high", 8.0),
     ]
     assert [r["masked_tokens"] for r in d["rows"]][:2] == [102, 29]
     assert d["rows"][3]["masked_tokens"] == 15  # icepop [0.2, 5]: golden
@@ -166,7 +183,9 @@ def test_unknown_output_suffix_is_a_usage_error(tmp_path):
 
 
 def test_json_has_null_not_nan_for_undefined_values(tmp_path):
-    f = write(tmp_path / "nos.parquet", trainer_logprob=[-0.1, -0.2], inference_logprob=[-0.2, -0.2])
+    f = write(
+        tmp_path / "nos.parquet", trainer_logprob=[-0.1, -0.2], inference_logprob=[-0.2, -0.2]
+    )
     res = run("sweep", f, "-r", "ipo", "--json")
     row = strict_json(res.stdout)["rows"][0]
     assert row["sequences"] is None and row["weight_mean"] is None
@@ -213,13 +232,17 @@ def test_missing_required_column_suggests_map(bad):
 )
 def test_invalid_values_name_file_column_count_and_fix(bad, values, what):
     f = write(bad / "v.parquet", trainer_logprob=values, inference_logprob=[-0.1, -0.2, -0.3])
-    assert_clean_error(run("sweep", f, "-r", "ipo"), 1, "v.parquet", "trainer_logprob", what,
-                       "--drop-invalid")
+    assert_clean_error(
+        run("sweep", f, "-r", "ipo"), 1, "v.parquet", "trainer_logprob", what, "--drop-invalid"
+    )
 
 
 def test_drop_invalid_drops_and_reports(bad):
-    f = write(bad / "v.parquet", trainer_logprob=[-0.1, math.nan, 0.5, -0.2],
-              inference_logprob=[-0.1, -0.2, -0.3, -0.4])
+    f = write(
+        bad / "v.parquet",
+        trainer_logprob=[-0.1, math.nan, 0.5, -0.2],
+        inference_logprob=[-0.1, -0.2, -0.3, -0.4],
+    )
     res = run("sweep", f, "-r", "ipo:eps=0.001", "--drop-invalid", "--json")
     assert res.exit_code == 0
     assert "dropped 2 invalid loss rows" in res.stderr
@@ -244,15 +267,28 @@ def test_probabilities_out_of_range(bad):
 
 def test_probs_flag_reads_mapped_columns_as_probabilities(bad):
     f = write(bad / "p.parquet", a=[0.9, 0.2], b=[0.8, 0.5])
-    res = run("sweep", f, "--map", "trainer_logprob=a", "--map", "inference_logprob=b", "--probs",
-              "-r", "ipo:eps=0.25", "--json")
+    res = run(
+        "sweep",
+        f,
+        "--map",
+        "trainer_logprob=a",
+        "--map",
+        "inference_logprob=b",
+        "--probs",
+        "-r",
+        "ipo:eps=0.25",
+        "--json",
+    )
     assert res.exit_code == 0, res.stderr
     assert strict_json(res.stdout)["rows"][0]["masked_tokens"] == 1
 
 
 def test_unequal_list_lengths(bad):
-    f = write(bad / "l.parquet", trainer_logprobs=[[-0.1, -0.2], [-0.3]],
-              inference_logprobs=[[-0.1, -0.2], [-0.3, -0.1]])
+    f = write(
+        bad / "l.parquet",
+        trainer_logprobs=[[-0.1, -0.2], [-0.3]],
+        inference_logprobs=[[-0.1, -0.2], [-0.3, -0.1]],
+    )
     assert_clean_error(run("sweep", f), 1, "l.parquet", "1 of 2 sequence rows", "unequal")
     res = run("sweep", f, "--drop-invalid", "-r", "ipo", "--json")
     assert res.exit_code == 0 and strict_json(res.stdout)["rows"][0]["tokens"] == 2
@@ -265,8 +301,9 @@ def test_schemas_that_differ_between_files(bad):
 
 
 def test_empty_selection(bad):
-    f = write(bad / "e.parquet", trainer_logprob=[-0.1], inference_logprob=[-0.2],
-              loss_mask=[False])
+    f = write(
+        bad / "e.parquet", trainer_logprob=[-0.1], inference_logprob=[-0.2], loss_mask=[False]
+    )
     assert_clean_error(run("sweep", f), 1, "e.parquet", "no loss tokens")
 
 

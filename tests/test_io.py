@@ -85,9 +85,9 @@ def test_list_layout_without_ids_numbers_sequences_and_positions(tmp_path):
     pl.DataFrame(
         {"trainer_logprobs": [[-0.1, -0.2], [-0.3]], "inference_logprobs": [[-0.1, -0.3], [-0.2]]}
     ).write_parquet(tmp_path / "a.parquet")
-    pl.DataFrame(
-        {"trainer_logprobs": [[-0.5]], "inference_logprobs": [[-0.4]]}
-    ).write_parquet(tmp_path / "b.parquet")
+    pl.DataFrame({"trainer_logprobs": [[-0.5]], "inference_logprobs": [[-0.4]]}).write_parquet(
+        tmp_path / "b.parquet"
+    )
     t = io.read_table([tmp_path / "a.parquet", tmp_path / "b.parquet"])
     assert t["sample_id"].to_list() == [0, 0, 1, 2]
     assert t["position"].to_list() == [0, 1, 0, 0]
