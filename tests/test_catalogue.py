@@ -13,10 +13,31 @@ from mismatch_replay.rules import REGISTRY, catalogue_markdown, catalogue_record
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden_log.parquet"
-RULES_MD_NAMES = (
-    "ipo ipo-v1 icepop kpop token-mis token-k2 token-k3 m2po dppo-tv dppo-kl ppo-clip dual-clip "
-    "tis cispo seq-tis seq-mis geo-mis seq-mean-k3 seq-max-k2 veto opsm gspo prob-error"
-).split()
+RULES_MD_NAMES = [
+    "ipo",
+    "ipo-v1",
+    "icepop",
+    "kpop",
+    "token-mis",
+    "token-k2",
+    "token-k3",
+    "m2po",
+    "dppo-tv",
+    "dppo-kl",
+    "ppo-clip",
+    "dual-clip",
+    "tis",
+    "cispo",
+    "seq-tis",
+    "seq-mis",
+    "geo-mis",
+    "seq-mean-k3",
+    "seq-max-k2",
+    "veto",
+    "opsm",
+    "gspo",
+    "prob-error",
+]
 
 
 def test_catalogue_has_every_rule_of_rules_md():
