@@ -37,7 +37,16 @@ import polars as pl
 from . import io
 from .errors import DataError, UsageError
 from .metrics import MetricSums
-from .rules import REGISTRY, Rule, SeqStats, TokenBatch, parse_grid, parse_rule, spec_warnings
+from .rules import (
+    LOG_CLAMP,
+    REGISTRY,
+    Rule,
+    SeqStats,
+    TokenBatch,
+    parse_grid,
+    parse_rule,
+    spec_warnings,
+)
 
 GROUP_KEYS = ("step", "env", "q_bucket")
 # --by q_bucket: inference-probability buckets, labelled by their lower edge.
@@ -252,6 +261,44 @@ class _JobBins:
                 setattr(self, name, np.vstack([a, pad]))
 
 
+_POISSON1_CDF = np.cumsum([math.exp(-1.0) / math.factorial(k) for k in range(25)])
+
+
+def poisson_weights(units: np.ndarray, replicates: int, seed: int) -> np.ndarray:
+    """Poisson(1) bootstrap weights, shape (replicates, units), a pure function of the unit id.
+
+    A counter-based hash (splitmix64 of unit id, replicate and seed) makes each unit's weight
+    the same in every batch and file it appears in, so the bootstrap streams: the weighted
+    counts of each replicate are accumulated batch by batch, with no second pass.
+    """
+    u = units.astype(np.uint64)[None, :]
+    r = np.arange(replicates, dtype=np.uint64)[:, None]
+    with np.errstate(over="ignore"):
+        z = u * np.uint64(0x9E3779B97F4A7C15) + (r + np.uint64(seed) * np.uint64(1_000_003)) * (
+            np.uint64(0xD1B54A32D192ED03)
+        )
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    uni = (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return np.searchsorted(_POISSON1_CDF, uni, side="right").astype(np.float64)
+
+
+# --robust: per-group histogram of log10 k3 (k3 = 0 goes to bin 0), for medians and trimmed
+# means that a handful of extreme tokens cannot move; and each group's top tokens by k3.
+K3_LOG10_MIN, K3_LOG10_MAX, K3_BINS = -20.0, 4.0, 2400  # 0.01-decade bins
+TOP_TOKENS = 5
+
+
+def _k3_bin(k3: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        x = np.log10(k3)
+    i = np.floor((x - K3_LOG10_MIN) / (K3_LOG10_MAX - K3_LOG10_MIN) * K3_BINS).astype(np.int64)
+    return np.where(k3 > 0, np.clip(i, 0, K3_BINS - 1) + 1, 0)
+
+
 def _new_bins(k: int, groups: int, weight: bool, seqfrac: bool = False) -> _JobBins:
     z = np.zeros((groups, k + 2))
     return _JobBins(
@@ -323,6 +370,16 @@ class Tally:
     # prime-rl conventions (match="prime-rl"): 1 / loss tokens of each sequence, by sequence id
     inv_n: np.ndarray | None = None
     rule_warnings: list[str] = field(default_factory=list)
+    # streaming Poisson bootstrap over units ("sequence" or "step"), see poisson_weights
+    boot_replicates: int = 0
+    boot_unit: str | None = None
+    boot_seed: int = 0
+    boot_counts: dict[int, np.ndarray] = field(default_factory=dict)  # (B, K + 2) per job
+    boot_tokens: np.ndarray | None = None  # (B,) weighted loss tokens
+    robust: bool = False
+    k3_hist: np.ndarray | None = None  # (G, K3_BINS + 1) token counts
+    k3_hist_sum: np.ndarray | None = None  # (G, K3_BINS + 1) sum of k3 per bin
+    top: dict = field(default_factory=dict)  # group index -> {"k3", "step", "sample_id", ...}
 
     def __post_init__(self):
         if not self.bins:
@@ -400,6 +457,9 @@ class Tally:
         seq = self._seq_codes(df) if self.has_seq else None
         if seq is not None:
             self._add_seq(tb, g, seq)
+        boot = self._boot_units(df, seq) if self.boot_replicates else None
+        if self.robust:
+            self._add_robust(df, tb, g, G)
         for ji, job in enumerate(self.jobs):
             rule = job.rule
             if rule.level == "sequence":
@@ -423,6 +483,12 @@ class Tally:
             w = rule.weight(tb, job.param) if rule.kind == "weight" else None
             inv_n = self.inv_n[seq[0]] if self.inv_n is not None else None
             _accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n)
+            if boot is not None:
+                uniq, local, wts = boot
+                width = len(job.values) + 2
+                c = np.bincount(local * width + b, minlength=uniq.shape[0] * width)
+                acc = self.boot_counts.setdefault(ji, np.zeros((self.boot_replicates, width)))
+                acc += wts @ c.reshape(uniq.shape[0], width)
             if seq is not None:
                 uniq, local = seq[1]
                 part = np.full(uniq.shape[0], -math.inf)
@@ -430,6 +496,57 @@ class Tally:
                 acc = self.seq_max.setdefault(ji, _Grow(-math.inf))
                 acc.ensure(len(self.seq_keys))
                 acc.a[uniq] = np.maximum(acc.a[uniq], part)
+
+    def _add_robust(self, df: pl.DataFrame, tb: TokenBatch, g: np.ndarray, G: int) -> None:
+        width = K3_BINS + 1
+        for name in ("k3_hist", "k3_hist_sum"):
+            a = getattr(self, name)
+            if a is None:
+                a = np.zeros((0, width))
+            if a.shape[0] < G:
+                a = np.vstack([a, np.zeros((G - a.shape[0], width))])
+            setattr(self, name, a)
+        k3 = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
+        k3 = np.expm1(k3) - k3
+        idx = g * width + _k3_bin(k3)
+        self.k3_hist += np.bincount(idx, minlength=G * width).reshape(G, width)
+        self.k3_hist_sum += np.bincount(idx, weights=k3, minlength=G * width).reshape(G, width)
+        extra = {c: df[c].to_numpy() for c in ("step", "sample_id", "position") if c in df.columns}
+        order = np.lexsort((-k3, g))  # by group, k3 descending
+        gs = g[order]
+        starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
+        for st in starts:
+            gi = int(gs[st])
+            sel = order[st : st + TOP_TOKENS]
+            sel = sel[g[sel] == gi]
+            new = {"k3": k3[sel], "p": tb.p[sel], "q": tb.q[sel]} | {
+                c: v[sel] for c, v in extra.items()
+            }
+            old = self.top.get(gi)
+            if old is not None:
+                new = {c: np.concatenate([old[c], new[c]]) for c in new}
+            keep = np.argsort(-new["k3"], kind="stable")[:TOP_TOKENS]
+            self.top[gi] = {c: v[keep] for c, v in new.items()}
+
+    def _boot_units(self, df: pl.DataFrame, seq):
+        """(distinct units, per-token unit index, (B, units) Poisson weights) of a batch."""
+        ids = seq[0] if self.boot_unit == "sequence" else df["step"].to_numpy()
+        uniq, local = np.unique(ids, return_inverse=True)
+        wts = poisson_weights(uniq, self.boot_replicates, self.boot_seed)
+        tokens = wts @ np.bincount(local, minlength=uniq.shape[0]).astype(float)
+        self.boot_tokens = tokens if self.boot_tokens is None else self.boot_tokens + tokens
+        return uniq, local, wts
+
+    def seq_unit_weights(self) -> np.ndarray:
+        """(B, sequences) bootstrap weights of each sequence (by its own id or its step)."""
+        n = len(self.seq_keys)
+        if self.boot_unit == "sequence":
+            ids = np.arange(n)
+        else:
+            ids = np.empty(n, dtype=np.int64)
+            for (step, _), i in self.seq_keys.items():
+                ids[i] = step
+        return poisson_weights(ids, self.boot_replicates, self.boot_seed)
 
     def _add_scatter(self, tb: TokenBatch) -> None:
         n = SCATTER_BINS
@@ -480,6 +597,10 @@ class Tally:
     def __add__(self, other: Tally) -> Tally:
         if [j.label for j in self.jobs] != [j.label for j in other.jobs] or self.by != other.by:
             raise ValueError("can only add Tallies of the same jobs and grouping")
+        if self.robust or other.robust:
+            raise ValueError("robust Tallies (per-group top tokens) cannot be added yet")
+        if self.boot_replicates or other.boot_replicates:
+            raise ValueError("bootstrap Tallies number units per run and cannot be added")
         out = Tally(self.jobs, self.by, self.has_seq, self.has_adv)
         out._absorb(self)
         out._absorb(other)
@@ -622,6 +743,9 @@ def replay(
     options: io.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
     match: str | None = None,
+    bootstrap: tuple[int, str, int] | None = None,
+    robust: bool = False,
+    jobs: Sequence[Job] | None = None,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
 
@@ -629,10 +753,25 @@ def replay(
     left out of everything, and the table gains `is_masked_mean`, the mean over sequences of
     each sequence's masked fraction (prime-rl's `is_masked/mean`). That needs each sequence's
     token count up front, so it costs one extra pass over the log.
+
+    `bootstrap=(replicates, unit, seed)` also accumulates Poisson-bootstrap replicates of every
+    token rule's per-bin counts over units "sequence" or "step" (analysis.choose uses it).
+    `robust=True` keeps per-group k3 histograms and top-k3 tokens (analysis.drift uses it).
+    `jobs` replaces rules and sweeps with ready-made jobs.
     """
     plan = sources if isinstance(sources, io.Plan) else io.plan_sources(sources, options)
     available = plan.columns
-    jobs, notes = plan_jobs(rules, sweeps, available)
+    if jobs is None:
+        jobs, notes = plan_jobs(rules, sweeps, available)
+    else:  # pre-built jobs (analysis refines grids this way)
+        jobs, notes = list(jobs), []
+        for j in jobs:
+            lacking = [c for c in j.rule.needs if c not in available]
+            if lacking:
+                raise DataError(
+                    f"{plan.files[0]}: rule '{j.rule.name}' needs the column(s) "
+                    f"{', '.join(lacking)} (found: {', '.join(available)}). Map one with --map."
+                )
     cols = columns_needed(jobs, by, available)
     keep = None
     pre = None
@@ -667,6 +806,16 @@ def replay(
     tally = Tally(jobs, by, has_seq="sample_id" in cols, has_adv="advantage" in cols, inv_n=inv_n)
     if pre is not None:
         tally.seq_keys = dict(pre.seq_keys)
+    tally.robust = robust
+    if robust and "position" in available and "position" not in cols:
+        cols = [*cols, "position"]
+    if bootstrap is not None:
+        tally.boot_replicates, tally.boot_unit, tally.boot_seed = bootstrap
+        if tally.boot_unit == "sequence" and not tally.has_seq:
+            raise DataError(
+                f"{plan.files[0]}: a bootstrap over sequences needs a sample_id column; "
+                "use --bootstrap-unit step, or map one with --map sample_id=COLUMN."
+            )
     tally.notes = notes
     total = sum(plan.rows)
     dropped_zero = 0

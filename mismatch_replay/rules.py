@@ -193,8 +193,17 @@ class Rule:
     # printed whenever the preset is used.
     preset_quirks: ClassVar[dict[str, str]] = {}
     inclusive: ClassVar[bool] = False
+    # The parameter `choose --budget` / `compare --budget` moves (default: the first threshold
+    # parameter); two-sided bands move their upper side with the lower one fixed.
+    primary: ClassVar[str | None] = None
 
     # -- parameters
+    @classmethod
+    def primary_param(cls) -> str:
+        if cls.primary:
+            return cls.primary
+        return next(p.name for p in cls.params if p.threshold)
+
     @classmethod
     def param_names(cls) -> tuple[str, ...]:
         return tuple(p.name for p in cls.params)
@@ -288,6 +297,7 @@ class IPO(Rule):
 
 @register
 class IPOv1(Rule):
+    primary = "high"
     name = "ipo-v1"
     title = "early IPO, one threshold per side"
     source = "prime-rl (early IPO)"
@@ -308,6 +318,7 @@ class IPOv1(Rule):
 
 @register
 class IcePop(Rule):
+    primary = "high"
     name = "icepop"
     title = "IcePop ratio band"
     source = "Ring-1T, arXiv 2510.18855"
@@ -426,6 +437,7 @@ class M2PO(Rule):
 
 @register
 class DPPOTV(Rule):
+    primary = "high"
     name = "dppo-tv"
     title = "DPPO binary total variation"
     source = "arXiv 2602.04879"
@@ -449,6 +461,7 @@ class DPPOTV(Rule):
 
 @register
 class DPPOKL(Rule):
+    primary = "high"
     name = "dppo-kl"
     title = "DPPO binary KL"
     source = "arXiv 2602.04879"
@@ -476,6 +489,7 @@ class DPPOKL(Rule):
 
 @register
 class PPOClip(Rule):
+    primary = "eps_high"
     name = "ppo-clip"
     title = "PPO clip (zero-gradient tokens)"
     source = "Schulman et al. 2017; DAPO"
@@ -557,6 +571,7 @@ class TIS(Rule):
 
 @register
 class CISPO(Rule):
+    primary = "high"
     name = "cispo"
     title = "CISPO clipped IS weight"
     source = "MiniMax-M1"
@@ -632,6 +647,7 @@ class _SeqBand(Rule):
 
 @register
 class SeqMIS(_SeqBand):
+    primary = "high"
     name = "seq-mis"
     title = "sequence importance-ratio rejection"
     source = "verl rollout correction; TRL"
@@ -650,6 +666,7 @@ class SeqMIS(_SeqBand):
 
 @register
 class GeoMIS(_SeqBand):
+    primary = "high"
     name = "geo-mis"
     title = "geometric-mean ratio rejection (Geo-RS)"
     source = "verl rollout correction; SkyRL; prime-rl (pre-2026)"
@@ -737,6 +754,7 @@ class OPSM(Rule):
 
 @register
 class GSPO(Rule):
+    primary = "eps_high"
     name = "gspo"
     title = "GSPO sequence clip"
     source = "arXiv 2507.18071"

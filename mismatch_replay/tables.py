@@ -289,3 +289,38 @@ def preview(df: pl.DataFrame, per_job: int = 9) -> pl.DataFrame:
             part = part.filter(pl.col("value").is_in(pick.tolist()))
         parts.append(part)
     return pl.concat(parts) if parts else df
+
+
+def job_counts(tally: Tally, ji: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(values ascending, masked-or-truncated tokens at each value, loss tokens), all groups."""
+    bins = job_bins(tally, ji)
+    job = tally.jobs[ji]
+    count = bins.count.sum(axis=0, keepdims=True)
+    suf = _suffix(count)[0]
+    inv = np.empty(len(job.values), dtype=np.int64)
+    inv[job.order] = np.arange(len(job.values))
+    return job.values, suf[inv + 1], int(count.sum())
+
+
+def boot_counts(tally: Tally, ji: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Bootstrap replicates: ((B, K) masked-or-truncated weighted tokens, (B,) weighted
+    tokens), values in ascending order; None for m2po (batch-adaptive, not resampled)."""
+    job = tally.jobs[ji]
+    if not tally.boot_replicates or job.rule.level == "step":
+        return None
+    if job.rule.level == "sequence":
+        st = tally.seq_stats()
+        b = _bins(job.rule.score(st, job.param), job.thresholds[job.order], job.rule.inclusive)
+        w = tally.seq_unit_weights() * st.n[None, :]
+        width = len(job.values) + 2
+        counts = np.stack([np.bincount(b, weights=wb, minlength=width) for wb in w])
+        tokens = w.sum(axis=1)
+    else:
+        counts = tally.boot_counts.get(ji)
+        if counts is None:
+            return None
+        tokens = tally.boot_tokens
+    suf = _suffix(counts)
+    inv = np.empty(len(job.values), dtype=np.int64)
+    inv[job.order] = np.arange(len(job.values))
+    return suf[:, inv + 1], tokens
