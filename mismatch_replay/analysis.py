@@ -174,18 +174,19 @@ class _Search:
             return vt[best], ft[best], "ok", None
         above = np.flatnonzero(ft >= target)
         if above.size == 0:
-            msg = f"out of range: at most {ft.max():.3g} masked on the grid (widen it: --sweep)"
+            msg = f"out of range: at most {ft.max():.3g} masked on the default grid"
             return vt[best], ft[best], msg, None
         if above[-1] == ft.size - 1:
             msg = (
-                f"out of range: at least {ft.min():.3g} masked on the grid (the fixed "
-                "parameters alone may mask more than the target)"
+                f"out of range: at least {ft.min():.3g} masked on the default grid (the "
+                "fixed parameters alone may mask more)"
             )
             return vt[best], ft[best], msg, None
         k = int(above[-1])
         a, b = vt[k], vt[k + 1]
         if abs(b - a) <= 1e-12 * max(abs(a), abs(b), 1e-300):
-            return vt[best], ft[best], "limited by ties in the data", None
+            msg = f"ties: the fraction jumps from {ft[k]:.3g} to {ft[k + 1]:.3g} at one value"
+            return vt[best], ft[best], msg, None
         return vt[best], ft[best], "refine", (a, b)
 
 
@@ -272,11 +273,12 @@ def choose(
     for i, s in enumerate(searches):
         best, frac, status, _ = s.state(target_fraction, tol)
         if status == "refine":
-            status = f"not within {tol:.0%} after {s.passes} passes"
+            status = f"not converged: not within {tol:.0%} after {s.passes} passes"
+        status, _, note = status.partition(": ")
         lo = hi = None
-        note = ""
-        if bt is not None:
-            lo, hi, note = _ci_value(bt, i, target_fraction, spans[i])
+        if bt is not None and status != "out of range":
+            lo, hi, boot_note = _ci_value(bt, i, target_fraction, spans[i])
+            note = "; ".join(x for x in (note, boot_note) if x)
         hits = round(frac * s.tokens)
         row = _choice_row(
             s.job,

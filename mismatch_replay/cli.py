@@ -397,6 +397,294 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
         )
 
 
+RuleOpt = Annotated[
+    list[str] | None,
+    typer.Option("--rule", "-r", help="Rule SPEC (repeatable), e.g. ipo, icepop@prime-rl."),
+]
+
+
+@app.command()
+def choose(
+    sources: Sources,
+    target_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--target-fraction",
+            "-t",
+            help="Find, per rule, the threshold that masks this fraction of loss tokens "
+            "(e.g. 0.0025). Without it: the masked fraction at each --rule setting.",
+        ),
+    ] = None,
+    rule: RuleOpt = None,
+    bootstrap: Annotated[
+        int,
+        typer.Option("--bootstrap", min=0, help="Bootstrap replicates for the interval (0: off)."),
+    ] = 200,
+    bootstrap_unit: Annotated[
+        str | None,
+        typer.Option(
+            "--bootstrap-unit",
+            help="Resample 'sequence' (default when sample_id exists) or 'step'.",
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Bootstrap seed.")] = 0,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+) -> None:
+    """Which threshold masks a target fraction of tokens, per rule, with a 95% bootstrap
+    interval (how much the answer would move on another log of the same run).
+
+    Without --rule: every mask rule the log supports, each threshold parameter (two-sided
+    bands: each side with the other at its default). The answer is exact on a grid refined
+    until the fraction is within 1% of the target, or limited by ties in the data (said).
+    """
+
+    def body():
+        from .analysis import choose as run_choose
+
+        opts = _options(map_, probs, drop_invalid, batch_rows)
+        with _progress("choose") as cb:
+            rows = run_choose(
+                sources,
+                target_fraction,
+                rule or None,
+                bootstrap=bootstrap,
+                unit=bootstrap_unit,
+                seed=seed,
+                options=opts,
+                progress=cb,
+            )
+        if json_:
+            from .output import to_json
+
+            print(to_json({"target_fraction": target_fraction, "rows": rows}))
+            return
+        title = (
+            f"threshold masking {_pct(target_fraction)} of tokens"
+            if target_fraction is not None
+            else "masked fraction at each setting"
+        )
+        t = Table(title=title, show_edge=False)
+        for c in ("rule [fixed]", "param", "value", "95% interval", "masked", "status"):
+            t.add_column(escape(c), justify="left" if c in ("rule [fixed]", "param") else "right")
+        notes: list[str] = []
+        for r in rows:
+            label = r["rule"] + (f" [{r['setting']}]" if r["setting"] else "")
+            fmt = _pct if target_fraction is None else _fmt_num
+            ci = "-" if r["ci_low"] is None else f"{fmt(r['ci_low'])} .. {fmt(r['ci_high'])}"
+            status = r["status"] + (f" [{len(notes) + 1}]" if r["note"] else "")
+            if r["note"]:
+                notes.append(r["note"])
+            _add_row(
+                t, label, r["param"], _fmt_num(r["value"]), ci, _pct(r["masked_fraction"]), status
+            )
+        out.print(t)
+        for i, n in enumerate(notes, 1):
+            out.print(f"[{i}] {n}", highlight=False, markup=False)
+
+    _run(body)
+
+
+@app.command()
+def compare(
+    sources: Sources,
+    rule: Annotated[
+        list[str],
+        typer.Option("--rule", "-r", help="Exactly two rule SPECs: --rule A --rule B."),
+    ],
+    budget: Annotated[
+        float | None,
+        typer.Option(
+            "--budget",
+            help="First set each rule's primary parameter to mask this fraction "
+            "(iso-budget: at equal cost, which tokens does each rule choose?).",
+        ),
+    ] = None,
+    examples: Annotated[
+        int, typer.Option("--examples", min=0, help="Show the K most disputed tokens per side.")
+    ] = 0,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+) -> None:
+    """Two rules on the same tokens: masked by both, only A, only B, neither; their mean
+    probabilities and |p - q| mass; where (inference-probability buckets) they disagree."""
+
+    def body():
+        from .analysis import compare as run_compare
+        from .errors import UsageError
+
+        if len(rule) != 2:
+            raise UsageError(f"compare needs exactly two --rule options, got {len(rule)}.")
+        opts = _options(map_, probs, drop_invalid, batch_rows)
+        with _progress("compare") as cb:
+            res = run_compare(sources, rule[0], rule[1], budget, examples, opts, cb)
+        if json_:
+            from .output import to_json
+
+            print(to_json(res))
+            return
+        a, b = res["rule_a"], res["rule_b"]
+        if res["settings"]:
+            for k, v in res["settings"].items():
+                err.print(
+                    f"budget {_pct(budget)}: rule {k.upper()} set to {v['param']}="
+                    f"{_fmt_num(v['value'])} (masks {_pct(v['masked_fraction'])}, {v['status']})",
+                    highlight=False,
+                )
+        t = Table(title=f"A = {a}   B = {b}   ({res['tokens']:,} loss tokens)", show_edge=False)
+        for c in ("", "tokens", "fraction", "mean q (infer)", "mean p (train)", "|dp| mass"):
+            t.add_column(c, justify="left" if not c else "right")
+        names = {
+            "both": "masked by both",
+            "only_a": "only A",
+            "only_b": "only B",
+            "neither": "neither",
+        }
+        for k, label in names.items():
+            c = res["cells"][k]
+            _add_row(
+                t,
+                label,
+                f"{c['tokens']:,}",
+                _pct(c["fraction"]),
+                _fmt_num(c["mean_q"]),
+                _fmt_num(c["mean_p"]),
+                _fmt_num(c["mass"]),
+            )
+        out.print(t)
+        out.print(f"Jaccard overlap of the masked sets: {_fmt_num(res['jaccard'])}")
+        w = Table(title="where they disagree (inference probability q)", show_edge=False)
+        for c in ("q bucket", "tokens", "both", "only A", "only B"):
+            w.add_column(c, justify="right")
+        for r in res["where"]:
+            _add_row(
+                w,
+                r["q_bucket"],
+                f"{r['tokens']:,}",
+                f"{r['both']:,}",
+                f"{r['only_a']:,}",
+                f"{r['only_b']:,}",
+            )
+        out.print(w)
+        if res["examples"]:
+            e = Table(title="most disputed tokens (largest |log p - log q|)", show_edge=False)
+            cols = [
+                c
+                for c in ("masked_by", "step", "sample_id", "position", "q", "p", "abs_dp")
+                if c in res["examples"][0]
+            ]
+            for c in cols:
+                e.add_column(c.replace("abs_dp", "|dp|"), justify="right")
+            for x in res["examples"]:
+                _add_row(e, *[x[c].upper() if c == "masked_by" else _fmt_num(x[c]) for c in cols])
+            out.print(e)
+
+    _run(body)
+
+
+@app.command()
+def drift(
+    sources: Sources,
+    rule: RuleOpt = None,
+    factor: Annotated[
+        float,
+        typer.Option(
+            "--factor",
+            help="A step departs when its trimmed-mean k3 exceeds the baseline by this factor.",
+        ),
+    ] = 3.0,
+    baseline_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--baseline-steps",
+            min=1,
+            help="Early steps forming the baseline (default: the first 20%, at least 3).",
+        ),
+    ] = None,
+    min_run: Annotated[
+        int, typer.Option("--min-run", min=1, help="Consecutive departing steps that make drift.")
+    ] = 3,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+) -> None:
+    """Per-step mismatch (k1, k3, robust k3, |dp|) and masked fractions; flags sustained drift
+    from an early-step baseline, reports lone heavy-tail steps as spikes (with the tokens
+    that caused them), and says whether each rule's masked fraction followed the mismatch."""
+
+    def body():
+        from .analysis import drift as run_drift
+
+        opts = _options(map_, probs, drop_invalid, batch_rows)
+        with _progress("drift") as cb:
+            res = run_drift(sources, rule or None, factor, baseline_steps, min_run, opts, cb)
+        if json_:
+            from .output import to_json
+
+            print(to_json(res))
+            return
+        labels = [k for k in res["steps"][0] if k.startswith("masked:")]
+        t = Table(
+            title=f"per step (baseline: steps {res['baseline_steps'][0]}.."
+            f"{res['baseline_steps'][-1]}, factor {res['factor']:g})",
+            show_edge=False,
+        )
+        for c in (
+            "step",
+            "tokens",
+            "k1",
+            "k3 mean",
+            "k3 trimmed",
+            "k3 median",
+            "|dp| mean",
+            *[x.removeprefix("masked:") for x in labels],
+            "flag",
+        ):
+            t.add_column(escape(c), justify="right")
+        for r in res["steps"]:
+            flag = "DRIFT" if r["drift"] else ("spike" if r["spike"] else "")
+            _add_row(
+                t,
+                str(r["step"]),
+                f"{r['tokens']:,}",
+                _fmt_num(r["kl_k1"]),
+                _fmt_num(r["kl_k3"]),
+                _fmt_num(r["kl_k3_trimmed"]),
+                _fmt_num(r["kl_k3_median"]),
+                _fmt_num(r["abs_dp_mean"]),
+                *[_pct(r[x]) for x in labels],
+                flag,
+            )
+        out.print(t)
+        fl = res["flagged_steps"]
+        out.print(
+            f"drift: {'steps ' + ', '.join(map(str, fl)) if fl else 'none'}; "
+            f"spikes: {', '.join(map(str, res['spike_steps'])) or 'none'}",
+            highlight=False,
+        )
+        for v in res["rules"]:
+            ratio = f" (masked fraction x{v['ratio']:.3g})" if v.get("ratio") else ""
+            out.print(f"  {v['rule']}: {v['verdict']}{ratio}", highlight=False)
+        for s in res["spikes"]:
+            toks = "; ".join(
+                f"k3={x['k3']:.3g} q={x['q']:.3g} p={x['p']:.3g}"
+                + (f" seq {x['sample_id']}" if "sample_id" in x else "")
+                + (f" pos {x['position']}" if "position" in x else "")
+                for x in s["tokens"][:3]
+            )
+            out.print(f"  spike at step {s['step']}: {toks}", highlight=False)
+
+    _run(body)
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
