@@ -1,0 +1,217 @@
+"""choose / compare / drift against brute force, and their command lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from mismatch_replay import analysis
+from mismatch_replay.cli import app
+
+GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
+
+
+def random_log(path: Path, seed: int, steps: int = 6, seqs: int = 20, length: int = 60) -> Path:
+    rng = np.random.default_rng(seed)
+    n = steps * seqs * length
+    lq = -rng.exponential(rng.uniform(0.1, 1.0), n)
+    lp = np.minimum(lq + rng.standard_t(3, n) * rng.uniform(0.01, 0.2), 0.0)
+    pl.DataFrame(
+        {
+            "step": np.repeat(np.arange(steps), seqs * length),
+            "sample_id": np.tile(np.repeat(np.arange(seqs), length), steps),
+            "trainer_logprob": lp,
+            "inference_logprob": lq,
+            "advantage": np.repeat(rng.normal(size=steps * seqs), length),
+        }
+    ).write_parquet(path)
+    return path
+
+
+def brute_masks(df: pl.DataFrame) -> dict[str, object]:
+    lp, lq = df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
+    p, q = np.exp(lp), np.exp(lq)
+    return {
+        "ipo": lambda eps: np.abs(p - q) > eps,
+        "icepop-high": lambda high, low=0.2: (lp - lq < np.log(low)) | (lp - lq > np.log(high)),
+        "kpop": None,
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("target", [0.003, 0.02, 0.2])
+def test_choose_lands_within_tolerance(tmp_path, seed, target):
+    f = random_log(tmp_path / "log.parquet", seed)
+    rows = analysis.choose([f], target, ["ipo", "icepop@prime-rl"], bootstrap=0)
+    df = pl.read_parquet(f)
+    m = brute_masks(df)
+    for r in rows:
+        if r["rule"] == "ipo":
+            brute = m["ipo"](r["value"]).mean()
+        elif r["param"] == "high":
+            brute = m["icepop-high"](r["value"]).mean()
+        else:
+            lp = df["trainer_logprob"].to_numpy() - df["inference_logprob"].to_numpy()
+            brute = ((lp < np.log(r["value"])) | (lp > np.log(5.0))).mean()
+        assert r["masked_fraction"] == pytest.approx(brute, rel=1e-12, abs=1e-15)
+        if r["status"] == "ok":
+            assert abs(r["masked_fraction"] - target) <= 0.01 * target
+        else:
+            assert r["status"] in ("ties", "out of range"), r
+
+
+def test_choose_reports_ties(tmp_path):
+    n = 1000
+    lq = np.full(n, np.log(0.9))
+    lp = np.where(np.arange(n) < 500, np.log(0.5), np.log(0.9))  # half move by exactly 0.4
+    pl.DataFrame({"trainer_logprob": lp, "inference_logprob": lq}).write_parquet(tmp_path / "t.pq")
+    (row,) = analysis.choose([tmp_path / "t.pq"], 0.25, ["ipo"], bootstrap=0)
+    assert row["status"] == "ties" and "jumps from 0.5 to 0" in row["note"]
+
+
+def test_choose_bootstrap_interval(tmp_path):
+    f = random_log(tmp_path / "log.parquet", 3)
+    a = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, seed=1)[0]
+    b = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, seed=1)[0]
+    c = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, seed=2)[0]
+    assert a == b
+    assert (a["ci_low"], a["ci_high"]) != (c["ci_low"], c["ci_high"])
+    assert a["ci_low"] <= a["value"] <= a["ci_high"]
+    assert a["ci_low"] < a["ci_high"]
+    steps = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, unit="step")[0]
+    assert steps["ci_low"] <= steps["value"] <= steps["ci_high"]
+
+
+def test_choose_inverse_gives_the_fraction_at_a_setting():
+    rows = analysis.choose([GOLDEN], None, ["ipo:eps=0.3", "seq-mis@verl"], bootstrap=50)
+    assert rows[0]["masked_tokens"] == 29 and rows[0]["tokens"] == 19598
+    assert rows[1]["masked_tokens"] == 7981  # golden
+    for r in rows:
+        assert r["ci_low"] <= r["masked_fraction"] <= r["ci_high"]
+
+
+def test_compare_counts_equal_brute_force_sets():
+    res = analysis.compare([GOLDEN], "ipo@prime-rl", "icepop@prime-rl", examples=3)
+    df = pl.read_parquet(GOLDEN).filter("loss_mask")
+    lp, lq = df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
+    a = np.abs(np.exp(lp) - np.exp(lq)) > 0.3
+    b = (lp - lq < np.log(0.2)) | (lp - lq > np.log(5.0))
+    assert res["both"] == (a & b).sum() and res["only_a"] == (a & ~b).sum()
+    assert res["only_b"] == (~a & b).sum() and res["neither"] == (~a & ~b).sum()
+    assert res["jaccard"] == pytest.approx((a & b).sum() / (a | b).sum())
+    mass = np.abs(np.exp(lp) - np.exp(lq))
+    assert res["cells"]["only_a"]["mass"] == pytest.approx(mass[a & ~b].sum())
+    assert res["cells"]["only_b"]["mean_q"] == pytest.approx(np.exp(lq)[~a & b].mean())
+    assert sum(w["tokens"] for w in res["where"]) == df.height
+    ex = res["examples"]
+    assert [e["masked_by"] for e in ex] == ["a"] * 3 + ["b"] * 3
+    only_b_ratios = np.abs(lp - lq)[~a & b]
+    assert abs(ex[3]["log_ratio"]) == pytest.approx(only_b_ratios.max())
+
+
+def test_compare_with_a_sequence_rule():
+    res = analysis.compare([GOLDEN], "seq-mis@verl", "ipo:eps=0.05")
+    assert res["masked_a"] == 7981 and res["masked_b"] == 102  # golden counts
+
+
+def test_compare_iso_budget():
+    res = analysis.compare([GOLDEN], "ipo", "icepop@prime-rl", budget=0.01)
+    for side in ("a", "b"):
+        assert res["settings"][side]["masked_fraction"] == pytest.approx(0.01, rel=0.011)
+    assert res["masked_a"] / res["tokens"] == pytest.approx(0.01, rel=0.011)
+    assert res["masked_b"] / res["tokens"] == pytest.approx(0.01, rel=0.011)
+
+
+def drift_log(path: Path, drift_from: int | None, spike_at: int | None, steps: int = 20):
+    rng = np.random.default_rng(7)
+    frames = []
+    for step in range(steps):
+        n = 4000
+        lq = -rng.exponential(0.3, n)
+        sd = 0.02
+        if drift_from is not None and step >= drift_from:
+            sd *= 3 ** (step - drift_from + 1)
+        lp = np.minimum(lq + rng.normal(0, sd, n), 0.0)
+        if spike_at == step:
+            lp[:4] = lq[:4] - 9.0  # four catastrophic tokens lift the step's mean k3 ~10x
+        frames.append(
+            pl.DataFrame(
+                {
+                    "step": np.full(n, step),
+                    "sample_id": np.repeat(np.arange(40), 100),
+                    "position": np.tile(np.arange(100), 40),
+                    "trainer_logprob": lp,
+                    "inference_logprob": lq,
+                }
+            )
+        )
+    pl.concat(frames).write_parquet(path)
+    return path
+
+
+def test_drift_flags_the_drifting_steps(tmp_path):
+    res = analysis.drift([drift_log(tmp_path / "d.pq", drift_from=15, spike_at=None)])
+    assert res["flagged_steps"] == [15, 16, 17, 18, 19]
+    assert res["spike_steps"] == []
+    assert any("rose" in v["verdict"] for v in res["rules"])
+
+
+def test_drift_quiet_log_flags_nothing(tmp_path):
+    res = analysis.drift([drift_log(tmp_path / "q.pq", drift_from=None, spike_at=None)])
+    assert res["flagged_steps"] == [] and res["spike_steps"] == []
+    assert all(v["verdict"] == "no drift" for v in res["rules"])
+
+
+def test_drift_lone_heavy_tail_step_is_a_spike(tmp_path):
+    res = analysis.drift([drift_log(tmp_path / "s.pq", drift_from=None, spike_at=8)])
+    assert res["flagged_steps"] == [] and res["spike_steps"] == [8]
+    row = next(r for r in res["steps"] if r["step"] == 8)
+    assert row["kl_k3"] > 5 * res["baseline"]["kl_k3"]  # the mean is lifted ...
+    assert row["kl_k3_trimmed"] < 1.5 * res["baseline"]["kl_k3_trimmed"]  # ... the trim is not
+    toks = res["spikes"][0]["tokens"]
+    assert {t["position"] for t in toks[:4]} == {0, 1, 2, 3}
+    assert all(t["step"] == 8 and t["sample_id"] == 0 for t in toks[:4])
+
+
+def test_drift_collapse_signature(tmp_path):
+    """A ratio rule whose band the drift never reaches stays flat while k3 climbs."""
+    res = analysis.drift(
+        [drift_log(tmp_path / "c.pq", drift_from=16, spike_at=None)],
+        rules=["icepop:low=0.0001,high=10000", "ipo:eps=0.05"],
+    )
+    verdicts = {v["rule"]: v["verdict"] for v in res["rules"]}
+    assert "collapse signature" in verdicts["icepop:low=0.0001,high=10000"]
+    assert verdicts["ipo:eps=0.05"].startswith("rose")
+
+
+runner = CliRunner()
+
+
+def test_cli_decision_commands_json(tmp_path):
+    r = runner.invoke(
+        app, ["choose", str(GOLDEN), "-t", "0.01", "-r", "ipo", "--json", "--bootstrap", "20"]
+    )
+    assert r.exit_code == 0, r.stderr
+    row = json.loads(r.stdout)["rows"][0]
+    assert {"rule", "param", "value", "masked_fraction", "ci_low", "ci_high"} <= set(row)
+    r = runner.invoke(app, ["compare", str(GOLDEN), "-r", "ipo", "-r", "icepop", "--json"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert {"both", "only_a", "only_b", "neither", "rule_a", "rule_b"} <= set(d)
+    f = drift_log(tmp_path / "d.pq", drift_from=15, spike_at=5)
+    r = runner.invoke(app, ["drift", str(f), "--json"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["flagged_steps"] == [15, 16, 17, 18, 19] and d["spike_steps"] == [5]
+    assert len(d["steps"]) == 20
+    r = runner.invoke(app, ["drift", str(f)])
+    assert r.exit_code == 0 and "DRIFT" in r.stdout and "spike at step 5" in r.stdout
+    r = runner.invoke(app, ["compare", str(GOLDEN), "-r", "ipo"])
+    assert r.exit_code == 2 and "exactly two" in r.stderr
+    r = runner.invoke(app, ["choose", str(GOLDEN), "-t", "1.5"])
+    assert r.exit_code == 2 and "(0, 1)" in r.stderr
