@@ -727,3 +727,54 @@ def drift(
         "rules": verdicts,
         "steps": rows,
     }
+
+
+# ----------------------------------------------------------------------------- decisions
+
+DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
+
+
+def decisions(
+    sources: Sequence[str | Path],
+    target_fraction: float = 0.0025,
+    bootstrap: int = 200,
+    options: io.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """The three questions of the report's Decision section, on one log: which eps masks the
+    target fraction (choose), which tokens IPO and IcePop mask at their defaults and at an
+    equal budget (compare), and whether the run drifted (drift; needs several steps)."""
+    plan = io.plan_sources(sources, options)
+    rules = [r for r in DECISION_RULES if all(c in plan.columns for c in parse_rule(r).needs)]
+    out: dict = {"target_fraction": target_fraction}
+    out["choose"] = choose(
+        plan.files,
+        target_fraction,
+        rules,
+        bootstrap=bootstrap,
+        options=options,
+        progress=progress,
+    )
+    out["compare"] = compare(
+        plan.files,
+        "ipo@prime-rl",
+        "icepop@prime-rl",
+        examples=5,
+        options=options,
+        progress=progress,
+    )
+    out["compare_budget"] = compare(
+        plan.files,
+        "ipo",
+        "icepop@prime-rl",
+        budget=target_fraction,
+        examples=5,
+        options=options,
+        progress=progress,
+    )
+    try:
+        out["drift"] = drift(plan.files, options=options, progress=progress)
+    except DataError as exc:  # a single-step log: no drift to speak of
+        out["drift"] = None
+        out["drift_note"] = str(exc)
+    return out

@@ -685,6 +685,169 @@ def drift(
     _run(body)
 
 
+OutDir = Annotated[Path, typer.Option("--output", "-o", help="Directory to write into.")]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Overwrite files that already exist in the directory.")
+]
+SettingOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--rule",
+        "-r",
+        help="Settings to draw (repeatable SPEC). Default: IPO 0.3 and 0.1, IcePop [0.2, 5] "
+        "and [0.5, 5], KPop 0.1, DPPO-TV 0.2 (when the log has advantages).",
+    ),
+]
+
+
+@app.command()
+def plot(
+    sources: Sources,
+    output: OutDir = Path("mismatch-replay-plots"),
+    rule: SettingOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="png, svg or pdf.")] = "png",
+    target_fraction: Annotated[
+        float | None,
+        typer.Option("--target-fraction", "-t", help="Reference line on the masked-fraction plot."),
+    ] = None,
+    force: ForceOpt = False,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+) -> None:
+    """Draw scatter (q vs p with the IPO band and the IcePop cone), masked_fraction (every rule
+    against its threshold), steps (k3 and masked fractions per step) and where_masked (masked
+    fraction per inference-probability bucket)."""
+
+    def body():
+        from .pipeline import plot as run_plot
+
+        opts = _options(map_, probs, drop_invalid, batch_rows)
+        with _progress("plot") as cb:
+            paths = run_plot(sources, output, rule or None, fmt, target_fraction, force, opts, cb)
+        for name, p in paths.items():
+            out.print(f"{name:16s} {p}", highlight=False)
+
+    _run(body)
+
+
+@app.command()
+def report(
+    sources: Sources,
+    output: OutDir = Path("mismatch-replay-report"),
+    rule: SettingOpt = None,
+    target_fraction: Annotated[
+        float,
+        typer.Option(
+            "--target-fraction",
+            "-t",
+            help="The masked fraction the Decision section chooses thresholds for.",
+        ),
+    ] = 0.0025,
+    bootstrap: Annotated[
+        int, typer.Option("--bootstrap", min=0, help="Bootstrap replicates (0: off).")
+    ] = 200,
+    force: ForceOpt = False,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+) -> None:
+    """One self-contained HTML page (index.html, figures embedded): the figures, the sweep
+    table, the log summary, the preset defaults, a Decision section (choose, compare, drift),
+    the exact command and the tool version."""
+
+    def body():
+        import shlex
+
+        from .pipeline import report as run_report
+
+        opts = _options(map_, probs, drop_invalid, batch_rows)
+        command = shlex.join(["mismatch-replay", *sys.argv[1:]])
+        with _progress("report") as cb:
+            path = run_report(
+                sources, output, command, rule or None, target_fraction, bootstrap, force, opts, cb
+            )
+        out.print(f"report: {path}", highlight=False)
+
+    _run(body)
+
+
+@app.command()
+def simulate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write.")],
+    scenario: Annotated[str, typer.Option("--scenario", help="healthy, stale or drift.")] = "drift",
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help="RL steps.")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", min=1, help="Sequences per step.")] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", min=1, help="Response tokens per sequence.")
+    ] = None,
+    staleness: Annotated[
+        int | None,
+        typer.Option("--staleness", min=0, help="Optimizer steps the trainer leads the sampler."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Same seed, same file, bit for bit.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a token log whose mismatch comes from real numerics: a small transformer sampled
+    in bf16 by an 'inference engine' and rescored in fp32 by a 'trainer' that runs ahead by
+    --staleness optimizer steps, in an async policy-gradient loop (needs torch)."""
+
+    def body():
+        import dataclasses
+
+        from .errors import UsageError
+
+        try:
+            from .simulate import SCENARIOS, SimConfig
+            from .simulate import simulate as run_sim
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+        if scenario not in SCENARIOS:
+            raise UsageError(f"--scenario {scenario}: use one of {', '.join(SCENARIOS)}.")
+        if output.exists():
+            if not force:
+                raise UsageError(f"-o {output}: the file exists. Pass --force to overwrite it.")
+            output.unlink()
+        given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
+        cfg = dataclasses.replace(
+            SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}
+        )
+        if staleness == 0:
+            cfg = dataclasses.replace(cfg, staleness=0)
+        with _progress("simulate") as cb:
+            summary = run_sim(cfg, output, progress=cb)
+        err.print(
+            f"wrote {output}: {summary.get('tokens', 0):,} tokens, "
+            f"{summary.get('tokens_per_second', 0):,.0f} tokens/s",
+            highlight=False,
+        )
+
+    _run(body)
+
+
+@app.command()
+def demo(
+    output: OutDir = Path("mismatch-replay-demo"),
+    force: ForceOpt = False,
+) -> None:
+    """The whole tool on the bundled sample log (a simulated run that drifts): inspect, sweep,
+    figures and the HTML report, written into ./mismatch-replay-demo/."""
+
+    def body():
+        from .pipeline import demo as run_demo
+
+        with _progress("demo") as cb:
+            paths = run_demo(output, force, cb)
+        out.print(f"[bold]mismatch-replay demo[/] wrote {output}/:")
+        for name, p in paths.items():
+            out.print(f"  {name:16s} {p}", highlight=False)
+        out.print(f"Open {paths['report']} in a browser.", highlight=False)
+
+    _run(body)
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,

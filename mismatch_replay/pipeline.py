@@ -1,0 +1,134 @@
+"""Whole jobs built from the library's parts: the figures, the HTML report, the demo.
+
+Design
+------
+`plot`, `report` and `demo` are compositions: figure data (analysis.figure_data, three
+passes), the decisions (analysis.decisions), the inspect summary, then drawing (plots) and
+page assembly (report). They live here rather than in the CLI so that a notebook gets the
+same result with one call, and the CLI stays a thin formatter.
+
+Existing outputs are never overwritten without `force`: every check happens before the
+first pass over the log, so a refused call costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+
+from . import analysis, io
+from .errors import UsageError
+
+FIGURES = ("scatter", "masked_fraction", "steps", "where_masked")
+SAMPLE = "sample_drift.parquet"
+
+
+def sample_path() -> Path:
+    """The bundled sample log (made by `mismatch-replay simulate`, see data/README.md)."""
+    return Path(str(resources.files("mismatch_replay") / "data" / SAMPLE))
+
+
+def _refuse_existing(outdir: Path, names: Sequence[str], force: bool) -> None:
+    if force:
+        return
+    present = [n for n in names if (outdir / n).exists()]
+    if present:
+        raise UsageError(
+            f"{outdir}: {', '.join(present)} already exist(s). Pass --force to overwrite, or "
+            "choose another -o directory."
+        )
+
+
+def plot(
+    sources: Sequence[str | Path],
+    outdir: str | Path,
+    settings: Sequence[str] | None = None,
+    fmt: str = "png",
+    target_fraction: float | None = None,
+    force: bool = False,
+    options: io.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Path]:
+    """The four figures of a log, written into outdir."""
+    from . import plots
+
+    outdir = Path(outdir)
+    if fmt not in ("png", "svg", "pdf"):
+        raise UsageError(f"--format {fmt}: use png, svg or pdf.")
+    _refuse_existing(outdir, [f"{n}.{fmt}" for n in FIGURES], force)
+    data = analysis.figure_data(sources, settings, options=options, progress=progress)
+    outdir.mkdir(parents=True, exist_ok=True)
+    return plots.render_all(data, outdir, fmt, target_fraction=target_fraction, force=force)
+
+
+def report(
+    sources: Sequence[str | Path],
+    outdir: str | Path,
+    command: str,
+    settings: Sequence[str] | None = None,
+    target_fraction: float = 0.0025,
+    bootstrap: int = 200,
+    force: bool = False,
+    options: io.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """index.html with the figures, the tables, the Decision section and the command."""
+    from . import report as page
+    from .decision import decision_html
+    from .summary import inspect_log
+
+    outdir = Path(outdir)
+    _refuse_existing(outdir, ["index.html", *[f"{n}.png" for n in FIGURES]], force)
+    summary = inspect_log(sources, options, progress=progress)
+    data = analysis.figure_data(sources, settings, options=options, progress=progress)
+    dec = analysis.decisions(
+        sources, target_fraction, bootstrap=bootstrap, options=options, progress=progress
+    )
+    outdir.mkdir(parents=True, exist_ok=True)
+    return page.write_report(
+        data,
+        outdir,
+        command=command,
+        summary=summary.to_dict(),
+        force=force,
+        target_fraction=target_fraction,
+        sections=[("Decision", decision_html(dec))],
+    )
+
+
+def demo(
+    outdir: str | Path = "mismatch-replay-demo",
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Path]:
+    """inspect + sweep + figures + report on the bundled sample, into outdir."""
+    from .engine import sweep
+    from .output import atomic_write, to_json, write_table
+    from .summary import inspect_log
+
+    outdir = Path(outdir)
+    src = [sample_path()]
+    _refuse_existing(
+        outdir, ["inspect.json", "sweep.csv", "index.html", *[f"{n}.png" for n in FIGURES]], force
+    )
+    outdir.mkdir(parents=True, exist_ok=True)
+    summary = inspect_log(src, progress=progress)
+    inspect_json = atomic_write(
+        outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n")
+    )
+    res = sweep(src, progress=progress)
+    sweep_csv = write_table(res.table, outdir / "sweep.csv", force=True)
+    index = report(
+        src,
+        outdir,
+        command=f"mismatch-replay demo -o {outdir}",
+        force=True,
+        progress=progress,
+    )
+    out = {"inspect": inspect_json, "sweep": sweep_csv, "report": index}
+    out |= {n: outdir / f"{n}.png" for n in FIGURES}
+    return out
+
+
+__all__ = ["FIGURES", "demo", "plot", "report", "sample_path"]
