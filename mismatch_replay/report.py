@@ -1,0 +1,439 @@
+"""One self-contained HTML report: the figures, the tables and the exact command.
+
+Design
+------
+`write_report` renders the four figures with `plots.render_all` (PNG files next to the page)
+and embeds the same bytes in `index.html` as base64 data URIs, so the page alone is enough to
+attach to a PR or an issue (~0.5-1 MB for the four figures at 150 dpi). Plain HTML with inline
+CSS: no scripts, no external fonts or style sheets. Every piece of text that comes from data,
+the command line or the catalogue goes through `html.escape`.
+
+The tables:
+* the chosen settings, exactly: the per-step table summed over steps (counts add; sequences
+  are keyed by (step, sample_id), so masked sequences add too);
+* the compact sweep: every rule at each of its presets (`plots.preset_points`), exact where
+  the preset is a grid point of the sweep, marked "≈" where it falls between two;
+* the inspect-style summary and the mismatch metrics with the names frameworks log them under;
+* the rule catalogue's defaults and presets.
+
+Extra sections (e.g. a "Decision" written by a person or by `choose`) are passed as
+`sections=[(title, html)]` and placed right after the summary, where a reader looks first.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import polars as pl
+
+from . import __version__, plots
+from .errors import UsageError
+from .metrics import NAMES
+from .rules import catalogue_records, parse_rule
+
+if TYPE_CHECKING:
+    from .analysis import FigureData
+
+INDEX = "index.html"
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
+       max-width: 1280px; margin: 2em auto; padding: 0 1.5em; line-height: 1.45; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
+.meta { color: #555; font-size: 0.92em; }
+table { border-collapse: collapse; font-size: 0.86em; margin: 0.6em 0 1em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+tr:nth-child(even) td { background: #fafafa; }
+figure { margin: 1em 0 2em; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #444; font-size: 0.9em; max-width: 60em; }
+pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.9em; }
+.note { color: #555; font-size: 0.88em; }
+section.extra { border-left: 4px solid #0072B2; padding-left: 1em; }
+"""
+
+_CAPTIONS = {
+    "scatter": (
+        "Sampled tokens by inference (sampler) probability q and trainer probability p, as a "
+        "density (tokens per bin, log colour scale); left on linear axes, right on log-log axes "
+        "where rare tokens are visible. Lines: the IPO band p = q ± eps (masked outside, "
+        "same width in probability everywhere) and the IcePop ratio cone p = low·q, p = high·q "
+        "(straight lines on log-log axes: narrow near zero, wide near one)."
+    ),
+    "masked_fraction": (
+        "Fraction of tokens masked (weight rules: truncated) as a function of each rule's "
+        "threshold, one panel per parameter family. Markers: the rules' presets."
+    ),
+    "steps": (
+        "Per trainer step: the mismatch KL (k3 token mean, prime-rl's mismatch_kl/all/mean) "
+        "and each chosen setting's masked fraction. Drift shows as both rising."
+    ),
+    "where_masked": (
+        "Masked fraction per inference-probability bucket for each chosen setting: a ratio "
+        "band masks rare tokens, a probability band likely ones."
+    ),
+}
+_TITLES = {
+    "scatter": "Trainer vs inference probability",
+    "masked_fraction": "Masked fraction vs threshold",
+    "steps": "Per step",
+    "where_masked": "Where each setting masks",
+}
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _e(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _num(v, digits: int = 4) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return "—"
+        if v == int(v) and abs(v) < 1e15:
+            return f"{int(v):,}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _pct(f) -> str:
+    if f is None or f != f:
+        return "—"
+    if f == 0:
+        return "0"
+    return f"{100 * f:.3g}%"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence], numeric: Sequence[int] = ()) -> str:
+    """An HTML table; every cell escaped. `numeric`: column indexes aligned right."""
+    num = set(numeric)
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="num">{_e(c)}</td>' if i in num else f"<td>{_e(c)}</td>"
+            for i, c in enumerate(row)
+        )
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def settings_table(data: FigureData) -> pl.DataFrame:
+    """The chosen settings over the whole log, exactly: the per-step rows summed over steps."""
+    t = data.steps
+    if t.height == 0:
+        return t
+    total_mass = (data.metrics.get("abs_dp_mean") or 0.0) * data.tokens
+    agg = (
+        t.group_by(["spec", "rule", "kind", "level"], maintain_order=True)
+        .agg(
+            pl.col("tokens", "masked_tokens", "truncated_tokens", "masked_mass").sum(),
+            pl.col("sequences").sum().alias("sequences"),
+            pl.col("masked_sequences").sum().alias("masked_sequences"),
+            pl.col("sequences").is_null().any().alias("_noseq"),
+        )
+        .with_columns(
+            masked_fraction=pl.col("masked_tokens") / pl.col("tokens"),
+            truncated_fraction=pl.col("truncated_tokens") / pl.col("tokens"),
+            masked_sequence_fraction=pl.when(~pl.col("_noseq") & (pl.col("sequences") > 0)).then(
+                pl.col("masked_sequences") / pl.col("sequences")
+            ),
+            masked_mass_fraction=(
+                pl.col("masked_mass") / total_mass if total_mass > 0 else pl.lit(None)
+            ),
+        )
+    )
+    return agg.with_columns(
+        pl.when(~pl.col("_noseq")).then(pl.col("sequences")).alias("sequences"),
+        pl.when(~pl.col("_noseq")).then(pl.col("masked_sequences")).alias("masked_sequences"),
+    ).drop("_noseq")
+
+
+def _settings_html(data: FigureData) -> str:
+    t = settings_table(data)
+    if t.height == 0:
+        return '<p class="note">No settings were chosen.</p>'
+    rows = []
+    for r in t.iter_rows(named=True):
+        weight = r["kind"] == "weight"
+        seqs = (
+            f"{_num(r['masked_sequences'])} / {_num(r['sequences'])} "
+            f"({_pct(r['masked_sequence_fraction'])})"
+            if r["sequences"] is not None
+            else "—"
+        )
+        rows.append(
+            [
+                plots.spec_label(r["spec"]),
+                r["spec"],
+                _num(r["tokens"]),
+                _num(r["truncated_tokens" if weight else "masked_tokens"]),
+                _pct(r["truncated_fraction" if weight else "masked_fraction"])
+                + (" truncated" if weight else ""),
+                seqs,
+                _pct(r["masked_mass_fraction"]) if not weight else "—",
+            ]
+        )
+    headers = [
+        "setting",
+        "spec",
+        "tokens",
+        "masked tokens",
+        "masked fraction",
+        "sequences with a masked token",
+        "share of |p−q| mass masked",
+    ]
+    return _table(headers, rows, numeric=(2, 3, 4, 6))
+
+
+def _spec_of(rule: str, setting: str, param: str, value: float) -> str | None:
+    try:
+        extra = f"{setting}," if setting else ""
+        return parse_rule(f"{rule}:{extra}{param}={value!r}").spec()
+    except Exception:  # a rule this version cannot rebuild: no exact value to look up
+        return None
+
+
+def _presets_html(data: FigureData) -> str:
+    pts = plots.preset_points(data.sweep)
+    if pts.height == 0:
+        return '<p class="note">No preset lies on the swept grids.</p>'
+    chosen = settings_table(data)
+    exact: dict[str, float] = {}
+    for r in chosen.iter_rows(named=True) if chosen.height else ():
+        exact[r["spec"]] = r["truncated_fraction" if r["kind"] == "weight" else "masked_fraction"]
+    rows = []
+    for r in pts.iter_rows(named=True):
+        spec = _spec_of(r["rule"], r["setting"], r["param"], r["value"])
+        if not r["exact"] and spec in exact:  # a chosen setting: its exact value is known
+            r["fraction"], r["exact"] = exact[spec], True
+        frac = _pct(r["fraction"])
+        rows.append(
+            [
+                plots.display_name(r["rule"]),
+                r["presets"],
+                f"{r['param']}={_num(r['value'])}",
+                r["setting"].replace(",", ", ") or "—",
+                frac if r["exact"] else f"≈ {frac}",
+                "truncated" if r["kind"] == "weight" else "masked",
+            ]
+        )
+    note = (
+        '<p class="note">Every rule of the sweep at its presets (or its default). Values '
+        "marked ≈ lie between two grid points of the sweep and are interpolated; masked "
+        "fractions are monotone in a threshold, so the exact value lies between its "
+        "neighbours (the chosen settings are exact).</p>"
+    )
+    headers = ["rule", "preset(s)", "swept parameter", "other parameters", "fraction", ""]
+    return note + _table(headers, rows, numeric=(4,))
+
+
+def _summary_html(data: FigureData, summary: dict | None) -> str:
+    steps = data.step_metrics.height
+    seq = None
+    if data.steps.height and "sequences" in data.steps.columns:
+        first = data.steps.filter(pl.col("spec") == data.steps["spec"][0])
+        if first["sequences"].null_count() == 0:
+            seq = int(first["sequences"].sum())
+    facts: dict[str, str] = {
+        "sources": ", ".join(data.sources) or "—",
+        "loss tokens": _num(data.tokens),
+        "steps": _num(steps),
+        "sequences": _num(seq),
+    }
+    if summary:  # an inspect summary (Summary.to_dict()) adds what ingest saw
+        known = {
+            "files": "sources",
+            "layout": "layout",
+            "rows": "rows read",
+            "loss_tokens": "loss tokens",
+            "steps": "steps",
+            "sequences": "sequences",
+            "invalid_rows": "invalid rows",
+        }
+        for key, label in known.items():
+            v = summary.get(key)
+            if v is not None:
+                facts[label] = ", ".join(map(str, v)) if isinstance(v, list) else _num(v)
+        if summary.get("invalid"):
+            facts["invalid rows by file and column"] = "; ".join(
+                f"{k}: {_num(v)}" for k, v in summary["invalid"].items()
+            )
+        if summary.get("source"):
+            facts["columns read"] = ", ".join(f"{k} ← {v}" for k, v in summary["source"].items())
+    out = _table(["", "value"], list(facts.items()))
+    metrics = dict(data.metrics)
+    if summary and isinstance(summary.get("metrics"), dict):
+        metrics.update({k: v for k, v in summary["metrics"].items() if v is not None})
+    rows = []
+    for key, value in metrics.items():
+        if key == "tokens":
+            continue
+        framework, doc = NAMES.get(key, ("", ""))
+        rows.append([key, _num(value), framework or "—", doc])
+    out += "<h3>Mismatch metrics (all loss tokens)</h3>"
+    out += _table(["metric", "value", "framework name", "definition"], rows, numeric=(1,))
+    return out
+
+
+def _catalogue_html() -> str:
+    rows = []
+    for rec in catalogue_records():
+        defaults = ", ".join(
+            f"{p['name']}={_num(p['default'])}" for p in rec["params"] if p["default"] is not None
+        )
+        presets = "; ".join(
+            f"{name}: " + ", ".join(f"{k}={_num(v)}" for k, v in vals.items())
+            for name, vals in rec["presets"].items()
+        )
+        needs = ", ".join(rec["needs"]) or "—"
+        rows.append(
+            [
+                rec["name"],
+                f"{rec['level']} {rec['kind']}",
+                rec["definition"],
+                defaults or "— (user sets)",
+                presets or "—",
+                needs,
+                rec["source"],
+            ]
+        )
+    headers = ["rule", "level / kind", "masked when", "defaults", "presets", "needs", "source"]
+    return _table(headers, rows)
+
+
+# ----------------------------------------------------------------------------- page
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.write_text(text, encoding="utf-8")  # mode from the umask, like any new file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_html(
+    data: FigureData,
+    images: dict[str, bytes],
+    *,
+    command: str,
+    summary: dict | None = None,
+    target_fraction: float | None = None,
+    sections: Sequence[tuple[str, str]] = (),
+    date: str | None = None,
+) -> str:
+    """The page as a string. `images`: figure name -> PNG bytes (embedded as data URIs);
+    `sections`: extra (title, trusted HTML) sections placed after the summary."""
+    date = date or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>mismatch-replay report: {_e(', '.join(data.sources) or 'log')}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>mismatch-replay report</h1>",
+        f'<p class="meta">{_e(_num(data.tokens))} loss tokens from '
+        f"{_e(', '.join(data.sources) or 'the log')} · mismatch-replay {_e(__version__)} · "
+        f"{_e(date)}</p>",
+        "<h2>Summary</h2>",
+        _summary_html(data, summary),
+        "<!-- extra sections (e.g. Decision): write_report(..., sections=[(title, html)]) -->",
+    ]
+    for title, body in sections:
+        parts.append(f'<section class="extra"><h2>{_e(title)}</h2>{body}</section>')
+    parts.append("<h2>Chosen settings</h2>")
+    if target_fraction is not None:
+        parts.append(
+            f'<p class="note">Target masked fraction: {_e(_pct(target_fraction))} '
+            "(dashed line in the masked-fraction figure).</p>"
+        )
+    parts.append(_settings_html(data))
+    for name in plots.FIGURES:
+        if name not in images:
+            continue
+        uri = base64.b64encode(images[name]).decode("ascii")
+        parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
+        parts.append(
+            f'<figure><img alt="{_e(_TITLES[name])}" src="data:image/png;base64,{uri}">'
+            f"<figcaption>{_e(_CAPTIONS[name])}</figcaption></figure>"
+        )
+    parts.append("<h2>Every rule at its presets</h2>")
+    parts.append(_presets_html(data))
+    parts.append("<h2>Rule catalogue: defaults and presets</h2>")
+    parts.append(_catalogue_html())
+    if data.notes:
+        parts.append("<h2>Notes</h2><ul>")
+        parts.extend(f"<li>{_e(n)}</li>" for n in data.notes)
+        parts.append("</ul>")
+    parts.append("<h2>Reproduce</h2>")
+    parts.append(f"<pre>{_e(command)}</pre>")
+    parts.append(
+        f'<p class="meta">mismatch-replay {_e(__version__)} · generated {_e(date)}</p>'
+        "</body></html>"
+    )
+    return "\n".join(parts) + "\n"
+
+
+def write_report(
+    data: FigureData,
+    outdir: Path,
+    *,
+    command: str,
+    summary: dict | None = None,
+    force: bool = False,
+    target_fraction: float | None = None,
+    sections: Sequence[tuple[str, str]] = (),
+    dpi: int = 150,
+) -> Path:
+    """Write outdir/index.html and the four figure PNGs next to it; return the page's path.
+
+    `command`: the exact command line that produced the report (shown verbatim, escaped).
+    `summary`: an inspect summary (`Summary.to_dict()`), optional. `sections`: extra
+    (title, HTML) sections, e.g. a "Decision"; their HTML is trusted, their titles escaped.
+    `dpi`: of the PNGs (150: ~1 MB for the page). Refuses to overwrite index.html or a figure
+    unless `force`.
+    """
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise UsageError(f"-o {outdir}: that is a file; give a directory for the report.")
+    index = outdir / INDEX
+    if index.exists() and not force:
+        raise UsageError(f"{index}: the file exists; pass --force to overwrite it.")
+    paths = plots.render_all(
+        data, outdir, "png", target_fraction=target_fraction, force=force, dpi=dpi
+    )
+    images = {name: p.read_bytes() for name, p in paths.items()}
+    page = render_html(
+        data,
+        images,
+        command=command,
+        summary=summary,
+        target_fraction=target_fraction,
+        sections=sections,
+    )
+    _atomic_text(index, page)
+    return index
