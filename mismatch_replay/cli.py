@@ -43,7 +43,10 @@ err = Console(stderr=True, soft_wrap=True)
 
 Sources = Annotated[
     list[str],
-    typer.Argument(help="Parquet files, directories (searched recursively) or globs."),
+    typer.Argument(
+        help="Token logs: Parquet or JSONL files, prime-rl token_exports trees, NeMo-RL "
+        "train_data_step<N>.jsonl, slime .pt dumps; directories (searched recursively) or globs."
+    ),
 ]
 MapOpt = Annotated[
     list[str] | None,
@@ -67,9 +70,31 @@ BatchOpt = Annotated[
     int, typer.Option("--batch-rows", min=1, help="Rows per streamed batch (bounds memory).")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        help="Source format: auto (default: detected from the paths), parquet, jsonl, "
+        "prime-rl, nemo-rl or slime.",
+    ),
+]
+UnstableOpt = Annotated[
+    bool,
+    typer.Option(
+        "--include-unstable",
+        help="prime-rl: also read steps without a STABLE marker (still being written).",
+    ),
+]
 
 
-def _options(map_: list[str] | None, probs: bool, drop: bool, batch_rows: int):
+def _options(
+    map_: list[str] | None,
+    probs: bool,
+    drop: bool,
+    batch_rows: int,
+    fmt: str | None = None,
+    include_unstable: bool = False,
+):
     from .io import ReadOptions, parse_mapping
 
     return ReadOptions(
@@ -77,6 +102,8 @@ def _options(map_: list[str] | None, probs: bool, drop: bool, batch_rows: int):
         probs=probs,
         drop_invalid=drop,
         batch_rows=batch_rows,
+        format=fmt,
+        include_unstable=include_unstable,
     )
 
 
@@ -105,20 +132,53 @@ def _progress(label: str):
 
 
 def _run(fn: Callable[[], None]) -> None:
-    """Run a command body; library errors become one line on stderr and an exit code."""
+    """Run a command body; library errors become one line on stderr and an exit code.
+    Warnings the library issues (mismatch_replay's own categories) print as they happen."""
+    import warnings
+
+    show = warnings.showwarning
+
+    def _show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.startswith("mismatch_replay"):
+            err.print(f"[yellow]warning:[/] {message}", highlight=False)
+        else:
+            show(message, category, filename, lineno, file, line)
+
     try:
-        fn()
+        with warnings.catch_warnings():
+            warnings.showwarning = _show
+            fn()
     except ReplayError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(exc.exit_code) from None
 
 
+def _command(ctx: typer.Context) -> str:
+    """The command line that reproduces this call, rebuilt from the parsed parameters."""
+    import shlex
+
+    words = ["mismatch-replay", ctx.info_name or ""]
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if v is None or v == p.default or v == [] or (v is False and p.default is None):
+            continue
+        if getattr(p, "param_type_name", "") == "argument":
+            words += [str(x) for x in (v if isinstance(v, list | tuple) else [v])]
+        elif getattr(p, "is_flag", False):
+            words.append(p.opts[0])
+        else:
+            for x in v if isinstance(v, list | tuple) else [v]:
+                words += [p.opts[0], str(x)]
+    return shlex.join(words)
+
+
 def _report_drops(report) -> None:
-    if report.dropped_rows:
-        err.print(
-            f"[yellow]dropped {report.dropped_rows:,} invalid loss rows[/] (--drop-invalid):",
-            highlight=False,
-        )
+    records = getattr(report, "dropped_records", 0)
+    if report.dropped_rows or records:
+        what = f"dropped {report.dropped_rows:,} invalid loss rows"
+        if records:
+            what += f" and skipped {records:,} unreadable records"
+        err.print(f"[yellow]{what}[/] (--drop-invalid):", highlight=False)
         for (f, c), n in report.dropped.items():
             if not c.startswith("*"):
                 err.print(f"  {f}: {c}: {n:,}", highlight=False)
@@ -192,6 +252,8 @@ def inspect(
     probs: ProbsOpt = False,
     batch_rows: BatchOpt = 1_000_000,
     json_: JsonOpt = False,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
 ) -> None:
     """What a log holds: columns found, rows, loss tokens, steps, sequences, invalid rows, and
     the trainer-inference mismatch (k1, k3 KL, |dp|) overall and per step."""
@@ -200,7 +262,8 @@ def inspect(
         from .summary import inspect_log
 
         with _progress("inspect") as cb:
-            s = inspect_log(sources, _options(map_, probs, True, batch_rows), progress=cb)
+            opts = _options(map_, probs, True, batch_rows, fmt, include_unstable)
+            s = inspect_log(sources, opts, progress=cb)
         if json_:
             from .output import to_json
 
@@ -248,6 +311,7 @@ def inspect(
 
 @app.command()
 def sweep(
+    ctx: typer.Context,
     sources: Sources,
     rule: Annotated[
         list[str] | None,
@@ -291,6 +355,8 @@ def sweep(
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
     json_: JsonOpt = False,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
 ) -> None:
     """Replay the log through each rule at every value of its grid, in one streaming pass.
 
@@ -307,7 +373,7 @@ def sweep(
             from .output import check_target
 
             check_target(output, force)
-        opts = _options(map_, probs, drop_invalid, batch_rows)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         with _progress("sweep") as cb:
             res = run_sweep(
                 sources,
@@ -323,7 +389,7 @@ def sweep(
             err.print(f"[dim]note: {note}[/]", highlight=False)
         for w in res.warnings:
             err.print(f"[yellow]warning:[/] {w}", highlight=False)
-        meta = {"command": " ".join(["mismatch-replay", *sys.argv[1:]]), "version": __version__}
+        meta = {"command": _command(ctx), "version": __version__}
         if output is not None:
             from .output import write_table
 
@@ -734,6 +800,7 @@ def plot(
 
 @app.command()
 def report(
+    ctx: typer.Context,
     sources: Sources,
     output: OutDir = Path("mismatch-replay-report"),
     rule: SettingOpt = None,
@@ -759,12 +826,10 @@ def report(
     the exact command and the tool version."""
 
     def body():
-        import shlex
-
         from .pipeline import report as run_report
 
         opts = _options(map_, probs, drop_invalid, batch_rows)
-        command = shlex.join(["mismatch-replay", *sys.argv[1:]])
+        command = _command(ctx)
         with _progress("report") as cb:
             path = run_report(
                 sources, output, command, rule or None, target_fraction, bootstrap, force, opts, cb
@@ -844,6 +909,78 @@ def demo(
         for name, p in paths.items():
             out.print(f"  {name:16s} {p}", highlight=False)
         out.print(f"Open {paths['report']} in a browser.", highlight=False)
+
+    _run(body)
+
+
+@app.command()
+def convert(
+    sources: Sources,
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="The canonical table: FILE.parquet, or a directory with --partition-by step.",
+        ),
+    ],
+    partition_by: Annotated[
+        str | None,
+        typer.Option(
+            "--partition-by", help="Write a hive layout, one directory per step: DIR/step=N/."
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    row_group_rows: Annotated[
+        int, typer.Option("--row-group-rows", min=1, help="Rows per Parquet row group.")
+    ] = 1_000_000,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop_invalid: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
+) -> None:
+    """Convert any supported token log (prime-rl, NeMo-RL, slime, JSONL, Parquet) to the
+    canonical token table, zstd Parquet, loss tokens only: convert once, replay fast after.
+
+    Written to a temporary file and renamed at the end, so an interrupted run leaves nothing.
+    """
+
+    def body():
+        from .convert import convert as run_convert
+
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        with _progress("convert") as cb:
+            s = run_convert(
+                sources,
+                output,
+                opts,
+                partition_by=partition_by,
+                force=force,
+                progress=cb,
+                row_group_rows=row_group_rows,
+            )
+        if s["dropped_rows"] or s["dropped_records"]:
+            err.print(
+                f"[yellow]dropped {s['dropped_rows']:,} invalid loss rows and skipped "
+                f"{s['dropped_records']:,} unreadable records[/] (--drop-invalid):",
+                highlight=False,
+            )
+            for k, n in s["dropped"].items():
+                err.print(f"  {k}: {n:,}", highlight=False)
+        if json_:
+            from .output import to_json
+
+            print(to_json(s))
+            return
+        err.print(
+            f"wrote {s['tokens']:,} loss tokens ({s['steps']:,} steps) from {s['files']:,} "
+            f"{s['format']} file(s) to {s['output']}: {s['bytes'] / 1e6:.3g} MB zstd Parquet, "
+            f"in {s['seconds']:.3g} s ({(s['tokens_per_s'] or 0):,.0f} tokens/s)",
+            highlight=False,
+        )
 
     _run(body)
 
