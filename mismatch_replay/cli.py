@@ -147,6 +147,7 @@ def _run(fn: Callable[[], None]) -> None:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show
+            warnings.filterwarnings("always", module=r"mismatch_replay\.")  # every call
             fn()
     except ReplayError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)

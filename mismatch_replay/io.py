@@ -2,14 +2,28 @@
 
 Design
 ------
-A *plan* is made once per call from the files' schemas alone (no data read): which source
+Sources are resolved first: files, directories (searched recursively) and globs, each file's
+format detected from its path (`adapters.detect`: `step_<n>/rank_<r>.jsonl` prime-rl,
+`train_data_step<N>.jsonl` NeMo-RL, `.pt` slime, other `.jsonl` canonical JSONL, `.parquet`)
+or forced with `--format`. One call reads one format (a mix is refused: the schemas would
+not agree); a directory holding one framework's files and other files reads the framework's
+and says what it ignored. prime-rl steps without a `STABLE` marker are still being written
+and are skipped with a warning unless `include_unstable`. Warnings go to `Plan.warnings`,
+every `ReadReport.warnings`, and Python's warnings (`IngestWarning`; the CLI prints them).
+A hive directory `step=N/` supplies the step of a Parquet file that has no step column.
+
+A *plan* is made once per call from the files' schemas alone (no data read; for JSON lines,
+each file's first record; for slime, the first dump): which source
 column feeds each canonical column (`--map canonical=theirs`, else the first known alias),
 whether the layout is one row per token or one row per sequence with list columns, and
 whether the log holds probabilities instead of log-probabilities. Then the files are
 streamed one Parquet record batch at a time (pyarrow reads only the projected columns) and
 each batch is canonicalised eagerly with polars: rename, explode list columns, probabilities
 -> log-probs, drop `loss_mask == false` rows, validate. Memory is bounded by the batch
-(default 1M rows ~ 16 MB per float column), never by the log.
+(default 1M rows ~ 16 MB per float column), never by the log. The other formats go through
+`adapters`, which yield frames of every token of a block of records (JSON lines: ~48 MB of
+text at a time; slime: one dump, tensors memory-mapped), then the same canonicalisation,
+loss-mask filter and validation as Parquet.
 
 Validation is paid for only when something is wrong: a batch is checked with a handful of
 vectorised comparisons; when it holds an invalid row, the whole file is re-read to count
@@ -22,14 +36,17 @@ With `drop_invalid=True` the rows are dropped instead and counted in `ReadReport
 from __future__ import annotations
 
 import glob as _glob
+import warnings as _warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import adapters
+from .adapters import FORMATS
 from .errors import DataError, UsageError
 
 REQUIRED = ("trainer_logprob", "inference_logprob")
@@ -76,6 +93,11 @@ PROB_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
+class IngestWarning(UserWarning):
+    """Something about the sources the user should know (skipped unstable steps, ignored
+    files, a missing mask). Also collected in `ReadReport.warnings`; the CLI prints it."""
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """How to read sources. `mapping` is canonical -> source column (`--map`)."""
@@ -84,25 +106,42 @@ class ReadOptions:
     probs: bool = False  # the mapped log-prob columns hold probabilities
     drop_invalid: bool = False
     batch_rows: int = 1_000_000
+    format: str | None = None  # one of FORMATS; None: detect from the paths
+    include_unstable: bool = False  # prime-rl: read steps without a STABLE marker too
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of JSON lines parsed at a time (~48 bytes a row, 64 KiB .. 64 MiB)."""
+        return max(1 << 16, min(64 << 20, self.batch_rows * 48))
 
 
 @dataclass
 class ReadReport:
-    """What ingest saw: rows read, loss rows kept, invalid rows dropped (per file, column)."""
+    """What ingest saw: rows read, loss rows kept, invalid rows dropped (per file, column),
+    records skipped (column `records: <why>`) and warnings about the sources."""
 
     rows: int = 0
     loss_rows: int = 0
     dropped: dict[tuple[str, str], int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def dropped_rows(self) -> int:
         return sum(v for (f, c), v in self.dropped.items() if c == "*")
+
+    @property
+    def dropped_records(self) -> int:
+        """Whole records (JSON lines, dump samples) skipped with --drop-invalid."""
+        return sum(v for (f, c), v in self.dropped.items() if c.startswith(adapters.RECORDS))
 
     def __iadd__(self, other: ReadReport) -> ReadReport:
         self.rows += other.rows
         self.loss_rows += other.loss_rows
         for k, v in other.dropped.items():
             self.dropped[k] = self.dropped.get(k, 0) + v
+        for w in other.warnings:
+            if w not in self.warnings:
+                self.warnings.append(w)
         return self
 
 
@@ -114,8 +153,12 @@ class Plan:
     source: dict[str, str]  # canonical -> source column name
     list_columns: frozenset[str]  # canonical columns stored as lists (one row per sequence)
     probs: frozenset[str]  # canonical log-prob columns that hold probabilities
-    rows: tuple[int, ...]  # rows per file (Parquet metadata), for sequence ids
+    rows: tuple[int, ...]  # rows per file (Parquet: exact; other formats: an estimate)
     options: ReadOptions
+    format: str = "parquet"  # one of FORMATS, the same for every file
+    file_steps: tuple[int | None, ...] = ()  # step implied by each file's path, if any
+    warnings: tuple[str, ...] = ()  # about the sources, also copied into each ReadReport
+    read_schema: dict[str, pl.DataType] = field(default_factory=dict)  # JSON key -> dtype
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -146,39 +189,160 @@ def parse_mapping(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def resolve_sources(sources: Sequence[str | Path]) -> list[Path]:
-    """Expand files, directories (recursively, `*.parquet`) and globs; keep order, no dups."""
+def resolve_sources(
+    sources: Sequence[str | Path], options: ReadOptions | None = None
+) -> list[Path]:
+    """Expand files, directories (recursively) and globs; keep order, no dups."""
+    return _resolve(sources, options or ReadOptions())[0]
+
+
+def _check_format(fmt: str | None) -> str | None:
+    if fmt in (None, "", "auto"):
+        return None
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt}: known formats: auto, {', '.join(FORMATS)}.")
+    return fmt
+
+
+def _kinds_text(kinds: dict[str, list[Path]]) -> str:
+    return ", ".join(f"{len(v)} {k} file(s) (e.g. {v[0]})" for k, v in kinds.items())
+
+
+def _walk(d: Path, forced: str | None, notes: list[str]) -> tuple[list[Path], str]:
+    """The token-log files under a directory, and their format."""
+    kinds: dict[str, list[Path]] = {}
+    others = 0
+    for x in sorted(d.rglob("*")):
+        if not x.is_file() or x.name.startswith("."):
+            continue
+        k = adapters.detect(x)
+        if k is None:
+            others += 1
+        else:
+            kinds.setdefault(k, []).append(x)
+    if forced is not None:
+        found = kinds.get(forced, [])
+        if not found and forced in adapters.JSON_FORMATS:  # --format names the layout
+            found = sorted(x for k in adapters.JSON_FORMATS for x in kinds.get(k, []))
+        if not found:
+            seen = _kinds_text(kinds) if kinds else f"{others} other file(s)"
+            raise DataError(
+                f"{d}: no {forced} file under it (searched recursively; found {seen}). "
+                "Point at the directory the trainer wrote, or drop --format to detect it."
+            )
+        return found, forced
+    if not kinds:
+        raise DataError(
+            f"{d}: the directory holds no .parquet file and no other token log (searched "
+            f"recursively for .parquet, .jsonl, .pt, prime-rl step_<n>/rank_<r>.jsonl; found "
+            f"{others} other file(s)). Point at a directory of token logs, or convert the log "
+            "first."
+        )
+    frameworks = [k for k in kinds if k in adapters.FRAMEWORKS]
+    if len(frameworks) > 1 or (not frameworks and len(kinds) > 1):
+        raise DataError(
+            f"{d}: the directory mixes formats: {_kinds_text(kinds)}. Pass --format NAME to "
+            "read one of them, or point at a subdirectory."
+        )
+    fmt = frameworks[0] if frameworks else next(iter(kinds))
+    ignored = {k: v for k, v in kinds.items() if k != fmt}
+    if ignored:
+        notes.append(
+            f"{d}: read the {len(kinds[fmt])} {fmt} file(s) and ignored "
+            f"{_kinds_text(ignored)}; pass --format to read those instead."
+        )
+    return kinds[fmt], fmt
+
+
+def _resolve(
+    sources: Sequence[str | Path], options: ReadOptions
+) -> tuple[list[Path], str, list[str]]:
+    """(files, their one format, warnings). Detects each source's format (or takes
+    --format), refuses a mix, and skips prime-rl steps that are still being written."""
     if not sources:
         raise UsageError("no SOURCES given: pass a Parquet file, a directory or a glob")
-    out: list[Path] = []
+    forced = _check_format(options.format)
+    notes: list[str] = []
+    out: list[tuple[Path, str, str]] = []  # (file, format, the SOURCE it came from)
     for s in sources:
         text = str(s)
         p = Path(text)
         if any(ch in text for ch in "*?["):
-            found = sorted(Path(x) for x in _glob.glob(text, recursive=True) if Path(x).is_file())
-            if not found:
+            matched = [Path(x) for x in _glob.glob(text, recursive=True) if Path(x).is_file()]
+            if not matched:
                 raise DataError(f"{text}: the glob matches no file. Check the pattern and quoting.")
-            out.extend(found)
-        elif p.is_dir():
-            found = sorted(x for x in p.rglob("*.parquet") if x.is_file())
+            found = []
+            for x in sorted(matched):
+                k = adapters.detect(x)
+                if k is not None:
+                    found.append((x, forced or k, text))
             if not found:
                 raise DataError(
-                    f"{p}: the directory holds no .parquet file (searched recursively). "
-                    "Point at a directory of Parquet token logs, or convert the log first."
+                    f"{text}: the glob matches {len(matched)} file(s) but none is a token log "
+                    "(.parquet, .jsonl, .pt). Narrow the pattern, or pass --format."
                 )
+            fmts = {k for _, k, _ in found}
+            if fmts & set(adapters.FRAMEWORKS):
+                found.sort(key=lambda e: adapters.natural_key(e[0]))
             out.extend(found)
+        elif p.is_dir():
+            files, k = _walk(p, forced, notes)
+            if k != "parquet":
+                files = sorted(files, key=adapters.natural_key)
+            out.extend((x, k, text) for x in files)
         elif p.is_file():
-            out.append(p)
+            out.append((p, forced or adapters.detect(p) or adapters.sniff(p), text))
         else:
             raise DataError(f"{p}: no such file or directory.")
     seen: set[Path] = set()
     uniq = []
-    for p in out:
-        r = p.resolve()
+    for e in out:
+        r = e[0].resolve()
         if r not in seen:
             seen.add(r)
-            uniq.append(p)
-    return uniq
+            uniq.append(e)
+    by_format: dict[str, str] = {}
+    for _, k, src in uniq:
+        by_format.setdefault(k, src)
+    if len(by_format) > 1:
+        parts = "; ".join(f"{src} is {k}" for k, src in by_format.items())
+        raise DataError(
+            f"SOURCES mix formats ({parts}). Read one format per call (convert the others to "
+            "Parquet first with mismatch-replay convert), or pass --format NAME."
+        )
+    fmt = uniq[0][1]
+    files = [e[0] for e in uniq]
+    if fmt == "prime-rl":
+        files = _stable_only(files, options.include_unstable, notes)
+    return files, fmt, notes
+
+
+def _stable_only(files: list[Path], include: bool, notes: list[str]) -> list[Path]:
+    """prime-rl writes a STABLE file into a step directory once the step is complete."""
+    dirs = {adapters.prime_step_dir(f) for f in files} - {None}
+    unstable = sorted((d for d in dirs if not (d / "STABLE").exists()), key=adapters.natural_key)
+    if not unstable:
+        return files
+    names = ", ".join(str(d) for d in unstable[:5]) + (" ..." if len(unstable) > 5 else "")
+    if include:
+        notes.append(
+            f"reading {len(unstable)} prime-rl step(s) without a STABLE marker "
+            f"(--include-unstable): {names}. They may still be written to; a cut-off last "
+            "line is an error (or skipped with --drop-invalid)."
+        )
+        return files
+    kept = [f for f in files if adapters.prime_step_dir(f) not in set(unstable)]
+    if not kept:
+        raise DataError(
+            f"every prime-rl step given is still being written (no STABLE marker): {names}. "
+            "Wait for the trainer to finish a step, or pass --include-unstable to read them "
+            "as they are."
+        )
+    notes.append(
+        f"skipped {len(unstable)} prime-rl step(s) without a STABLE marker (still being "
+        f"written): {names}. Pass --include-unstable to read them."
+    )
+    return kept
 
 
 def _read_schema(path: Path) -> tuple[pa.Schema, int]:
@@ -241,19 +405,34 @@ def _choose_columns(
 
 
 def plan_sources(sources: Sequence[str | Path], options: ReadOptions | None = None) -> Plan:
-    """Resolve sources and decide the column mapping; every file must agree."""
+    """Resolve sources, detect their format and decide the column mapping; every file must
+    agree. Warnings about the sources are issued here (IngestWarning) and kept in the plan."""
     options = options or ReadOptions()
-    files = resolve_sources(sources)
-    first: tuple[Path, dict[str, str], dict[str, pa.DataType]] | None = None
-    rows = []
+    files, fmt, notes = _resolve(sources, options)
+    if fmt == "parquet":
+        plan = _plan_parquet(files, options)
+    else:
+        plan = _plan_records(files, fmt, options, notes)
+    steps = tuple(adapters.path_step(f, fmt) for f in files)
+    plan = replace(plan, format=fmt, file_steps=steps, warnings=tuple(notes))
+    for note in notes:
+        _warnings.warn(note, IngestWarning, stacklevel=2)
+    return plan
+
+
+def _agree(
+    entries: Iterator[tuple[Path, list[str], dict[str, tuple[bool, str]]]],
+    options: ReadOptions,
+) -> tuple[Path, dict[str, str], set[str], frozenset[str]] | None:
+    """Column mapping every file agrees on. `entries`: (path, column names, name -> (is a
+    list, type shown in errors)). Returns (first path, source, probs, list columns), or None
+    when there is no entry."""
+    first = None
     plan_source: dict[str, str] = {}
     probs: set[str] = set()
-    for path in files:
-        schema, n = _read_schema(path)
-        rows.append(n)
-        names = list(schema.names)
+    for path, names, kinds in entries:
         source, p = _choose_columns(path, names, options)
-        types = {c: schema.field(source[c]).type for c in source}
+        types = {c: kinds[source[c]] for c in source}
         if first is None:
             first = (path, source, types)
             plan_source, probs = source, p
@@ -267,16 +446,16 @@ def plan_sources(sources: Sequence[str | Path], options: ReadOptions | None = No
                 f" but {path} maps {_fmt_map(only_b) or 'nothing more'}. Read them in separate "
                 "calls, or --map the columns so that every file has the same ones."
             )
-        for c, t in types.items():
-            if _is_list(t) != _is_list(ftypes[c]):
+        for c, (is_list, shown) in types.items():
+            if is_list != ftypes[c][0]:
                 raise DataError(
-                    f"schemas differ between files: column '{source[c]}' is {ftypes[c]} in "
-                    f"{fpath} but {t} in {path}. Convert one layout to the other first "
+                    f"schemas differ between files: column '{source[c]}' is {ftypes[c][1]} in "
+                    f"{fpath} but {shown} in {path}. Convert one layout to the other first "
                     "(mismatch-replay convert)."
                 )
-    assert first is not None
-    types = first[2]
-    list_cols = frozenset(c for c, t in types.items() if _is_list(t))
+    if first is None:
+        return None
+    list_cols = frozenset(c for c, (is_list, _) in first[2].items() if is_list)
     for c in REQUIRED:
         if list_cols and c not in list_cols:
             raise DataError(
@@ -284,13 +463,101 @@ def plan_sources(sources: Sequence[str | Path], options: ReadOptions | None = No
                 f"{', '.join(plan_source[x] for x in sorted(list_cols))} are lists. "
                 "Either every per-token column is a list (one row per sequence) or none is."
             )
+    return first[0], plan_source, probs, list_cols
+
+
+def _plan_parquet(files: list[Path], options: ReadOptions) -> Plan:
+    rows: list[int] = []
+
+    def entries():
+        for path in files:
+            schema, n = _read_schema(path)
+            rows.append(n)
+            kinds = {f.name: (_is_list(f.type), str(f.type)) for f in schema}
+            yield path, list(schema.names), kinds
+
+    agreed = _agree(entries(), options)
+    assert agreed is not None  # resolve_sources never returns an empty list
+    _, source, probs, list_cols = agreed
     return Plan(
         files=tuple(files),
-        source=plan_source,
+        source=source,
         list_columns=list_cols,
         probs=frozenset(probs),
         rows=tuple(rows),
         options=options,
+    )
+
+
+def _json_roles(options: ReadOptions) -> dict[str, str]:
+    """JSON key -> the canonical column it would feed (fixes float dtypes in plain JSONL)."""
+    roles = {}
+    for canon in CANONICAL:
+        for name in (*PROB_ALIASES.get(canon, ()), *ALIASES.get(canon, ()), canon):
+            roles[name] = canon
+    for canon, theirs in options.mapping.items():
+        roles[theirs] = canon
+    return roles
+
+
+def _plan_records(files: list[Path], fmt: str, options: ReadOptions, notes: list[str]) -> Plan:
+    """Plan for JSON lines and slime dumps. Plain JSONL: every file's first record (their
+    columns must agree, as for Parquet). Framework formats deliver fixed columns, so only the
+    first non-empty file is probed (a slime dump is not free to load; prime-rl trees hold
+    thousands of files). Row counts are estimates from file sizes, for progress only."""
+    rows: list[int] = []
+    empties: list[Path] = []
+    probe: adapters.Probe | None = None
+    first_size = 1
+    roles = _json_roles(options)
+
+    def entries():
+        nonlocal probe, first_size
+        for path in files:
+            if fmt != "jsonl" and probe is not None:
+                # framework adapters deliver fixed columns: one probe is enough
+                size = adapters._file_size(path)
+                if size == 0:
+                    empties.append(path)
+                rows.append(int(probe.rows * size / first_size))
+                continue
+            if fmt == "slime":
+                pr = adapters.probe_slime(path)
+            elif fmt == "jsonl":
+                pr = adapters.probe_jsonl(path, options.drop_invalid, roles)
+            else:
+                pr = adapters.probe_framework(fmt, path, options.drop_invalid)
+            if pr is None:
+                empties.append(path)
+                rows.append(0)
+                continue
+            rows.append(pr.rows)
+            if probe is None:
+                probe, first_size = pr, max(adapters._file_size(path), 1)
+                notes.extend(pr.warnings)
+            shown = {k: (v, "a list" if v else "a scalar") for k, v in pr.columns.items()}
+            yield path, list(pr.columns), shown
+
+    agreed = _agree(entries(), options)
+    if agreed is None or probe is None:
+        more = f" and {len(files) - 1} other file(s)" if len(files) > 1 else ""
+        raise DataError(
+            f"{files[0]}{more}: no record to read (every file is empty). Point at files the "
+            "trainer has finished writing."
+        )
+    _, source, probs, list_cols = agreed
+    if empties:
+        notes.append(
+            f"{len(empties)} empty file(s) hold no record and were skipped, e.g. {empties[0]}."
+        )
+    return Plan(
+        files=tuple(files),
+        source=source,
+        list_columns=list_cols,
+        probs=frozenset(probs),
+        rows=tuple(rows),
+        options=options,
+        read_schema=dict(probe.schema),
     )
 
 
@@ -333,8 +600,9 @@ def _canonicalise(df: pl.DataFrame, plan: Plan, file_index: int, row_offset: int
         exprs.append(pl.col("advantage").cast(pl.Float64))
     if "entropy" in df.columns:
         exprs.append(pl.col("entropy").cast(pl.Float64))
-    if "step" not in df.columns:
-        exprs.append(pl.lit(0, dtype=pl.Int64).alias("step"))
+    if "step" not in df.columns:  # a hive directory step=N, else 0
+        step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
+        exprs.append(pl.lit(step or 0, dtype=pl.Int64).alias("step"))
     else:
         exprs.append(pl.col("step").cast(pl.Int64))
     if "loss_mask" in df.columns:
@@ -390,16 +658,57 @@ def _loss_filter(df: pl.DataFrame) -> pl.DataFrame:
     return df
 
 
-def _file_batches(path: Path, plan: Plan, source_cols: list[str]) -> Iterator[pl.DataFrame]:
+def _file_batches(
+    path: Path,
+    plan: Plan,
+    source_cols: list[str],
+    file_index: int = 0,
+    report: ReadReport | None = None,
+) -> Iterator[pl.DataFrame]:
+    """Raw batches of one file: source column names (Parquet, JSONL) or canonical names
+    (framework adapters), every row (loss_mask not applied). Skipped records (with
+    --drop-invalid) are counted in `report`."""
+    if plan.format != "parquet":
+        yield from _record_batches(path, plan, source_cols, file_index, report)
+        return
     try:
         pf = pq.ParquetFile(path)
         for rb in pf.iter_batches(batch_size=plan.options.batch_rows, columns=source_cols):
             yield pl.from_arrow(rb)
+    except FileNotFoundError:
+        raise DataError(
+            f"{path}: the file disappeared before it could be read (it was listed a moment "
+            "ago). Is something still writing or rotating the logs? Leave the file out."
+        ) from None
     except (OSError, pa.ArrowException) as exc:
         raise DataError(
             f"{path}: reading failed part-way ({exc}). The file may be truncated or still being "
             "written; re-export it or leave it out."
         ) from exc
+
+
+def _record_batches(
+    path: Path, plan: Plan, source_cols: list[str], file_index: int, report: ReadReport | None
+) -> Iterator[pl.DataFrame]:
+    opts = plan.options
+    wanted = set(source_cols)
+    if plan.format == "slime":
+        yield from adapters.read_slime(path, wanted, opts.drop_invalid, report, opts.batch_rows)
+        return
+    if plan.format == "jsonl":
+        schema = {k: t for k, t in plan.read_schema.items() if k in wanted}
+        yield from adapters.read_jsonl(path, schema, opts.drop_invalid, report, opts.block_bytes)
+        return
+    arrays = adapters.SPECS[plan.format].arrays
+    schema = {
+        k: t
+        for k, t in plan.read_schema.items()
+        if k not in arrays or arrays[k] in wanted or arrays[k] in REQUIRED
+    }
+    step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
+    yield from adapters.read_framework(
+        plan.format, path, step, schema, wanted, opts.drop_invalid, report, opts.block_bytes
+    )
 
 
 def _needed_sources(plan: Plan, columns: Sequence[str] | None) -> list[str]:
@@ -454,6 +763,9 @@ def iter_batches(
     and `step` are always there. Raises DataError on invalid rows unless drop_invalid.
     """
     report = report if report is not None else ReadReport()
+    for w in plan.warnings:
+        if w not in report.warnings:
+            report.warnings.append(w)
     if columns is not None:
         missing = [c for c in columns if c not in plan.columns and c != "step"]
         if missing:
@@ -466,7 +778,7 @@ def iter_batches(
     for i, path in enumerate(plan.files):
         row_offset = offset
         offset += plan.rows[i]
-        for raw in _file_batches(path, plan, source_cols):
+        for raw in _file_batches(path, plan, source_cols, i, report):
             report.rows += raw.height
             try:
                 df = _canonicalise(raw, plan, i, row_offset)
@@ -500,6 +812,8 @@ def iter_batches(
                 keep = [c for c in df.columns if c in set(columns) | {*REQUIRED, "step"}]
                 df = df.select(keep)
             yield i, df
+        if plan.format != "parquet":
+            offset = row_offset  # row counts were estimates: number by what was read
 
 
 def _drop_unequal(raw: pl.DataFrame, plan: Plan) -> pl.DataFrame:
