@@ -499,6 +499,8 @@ def choose(
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Which threshold masks a target fraction of tokens, per rule, with a 95% bootstrap
@@ -512,7 +514,7 @@ def choose(
     def body():
         from .analysis import choose as run_choose
 
-        opts = _options(map_, probs, drop_invalid, batch_rows)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         with _progress("choose") as cb:
             rows = run_choose(
                 sources,
@@ -540,8 +542,8 @@ def choose(
         notes: list[str] = []
         for r in rows:
             label = r["rule"] + (f" [{r['setting']}]" if r["setting"] else "")
-            fmt = _pct if target_fraction is None else _fmt_num
-            ci = "-" if r["ci_low"] is None else f"{fmt(r['ci_low'])} .. {fmt(r['ci_high'])}"
+            show = _pct if target_fraction is None else _fmt_num
+            ci = "-" if r["ci_low"] is None else f"{show(r['ci_low'])} .. {show(r['ci_high'])}"
             status = r["status"] + (f" [{len(notes) + 1}]" if r["note"] else "")
             if r["note"]:
                 notes.append(r["note"])
@@ -577,6 +579,8 @@ def compare(
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Two rules on the same tokens: masked by both, only A, only B, neither; their mean
@@ -588,7 +592,7 @@ def compare(
 
         if len(rule) != 2:
             raise UsageError(f"compare needs exactly two --rule options, got {len(rule)}.")
-        opts = _options(map_, probs, drop_invalid, batch_rows)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         with _progress("compare") as cb:
             res = run_compare(sources, rule[0], rule[1], budget, examples, opts, cb)
         if json_:
@@ -681,6 +685,8 @@ def drift(
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Per-step mismatch (k1, k3, robust k3, |dp|) and masked fractions; flags sustained drift
@@ -690,7 +696,7 @@ def drift(
     def body():
         from .analysis import drift as run_drift
 
-        opts = _options(map_, probs, drop_invalid, batch_rows)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         with _progress("drift") as cb:
             res = run_drift(sources, rule or None, factor, baseline_steps, min_run, opts, cb)
         if json_:
@@ -782,6 +788,13 @@ def plot(
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
+    log_format: Annotated[
+        str | None,
+        typer.Option(
+            "--log-format", help="The log's format (as --format of sweep); default: detect."
+        ),
+    ] = None,
+    include_unstable: UnstableOpt = False,
 ) -> None:
     """Draw scatter (q vs p with the IPO band and the IcePop cone), masked_fraction (every rule
     against its threshold), steps (k3 and masked fractions per step) and where_masked (masked
@@ -790,7 +803,7 @@ def plot(
     def body():
         from .pipeline import plot as run_plot
 
-        opts = _options(map_, probs, drop_invalid, batch_rows)
+        opts = _options(map_, probs, drop_invalid, batch_rows, log_format, include_unstable)
         with _progress("plot") as cb:
             paths = run_plot(sources, output, rule or None, fmt, target_fraction, force, opts, cb)
         for name, p in paths.items():
@@ -821,6 +834,8 @@ def report(
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
 ) -> None:
     """One self-contained HTML page (index.html, figures embedded): the figures, the sweep
     table, the log summary, the preset defaults, a Decision section (choose, compare, drift),
@@ -829,7 +844,7 @@ def report(
     def body():
         from .pipeline import report as run_report
 
-        opts = _options(map_, probs, drop_invalid, batch_rows)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         command = _command(ctx)
         with _progress("report") as cb:
             path = run_report(
