@@ -274,6 +274,7 @@ def inspect(
         t.add_column("what", style="bold")
         t.add_column("value", overflow="fold")
         _add_row(t, "files", "\n".join(s.files) if len(s.files) <= 5 else f"{len(s.files)} files")
+        _add_row(t, "format", s.format)
         _add_row(t, "layout", s.layout)
         _add_row(
             t,

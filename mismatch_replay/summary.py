@@ -24,6 +24,7 @@ from .engine import Tally, columns_needed
 @dataclass
 class Summary:
     files: list[str]
+    format: str  # parquet, prime-rl, nemo-rl, slime, jsonl
     source: dict[str, str]  # canonical -> source column
     layout: str  # "token rows" | "sequence rows (list columns)"
     probs: list[str]  # canonical columns read as probabilities
@@ -35,6 +36,7 @@ class Summary:
     invalid_rows: int
     metrics: dict[str, float | None]
     per_step: pl.DataFrame
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -67,6 +69,7 @@ def inspect_log(
         invalid["sequence rows with unequal list lengths"] = lists
     return Summary(
         files=[str(p) for p in plan.files],
+        format=plan.format,
         source=dict(plan.source),
         layout="sequence rows (list columns)" if plan.per_sequence else "token rows",
         probs=sorted(plan.probs),
@@ -78,4 +81,5 @@ def inspect_log(
         invalid_rows=tally.report.dropped_rows,
         metrics=overall,
         per_step=tally.metrics.table("step", tally.groups),
+        warnings=list(dict.fromkeys([*plan.warnings, *tally.report.warnings])),
     )
