@@ -359,6 +359,22 @@ def sweep(
     json_: JsonOpt = False,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="local (this machine, every core) or ray (one task per file on a Ray "
+            "cluster; needs the package's ray extra).",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="With --engine ray: the cluster to attach to (default: RAY_ADDRESS, else a "
+            "local one).",
+        ),
+    ] = None,
 ) -> None:
     """Replay the log through each rule at every value of its grid, in one streaming pass.
 
@@ -385,6 +401,8 @@ def sweep(
                 options=opts,
                 progress=cb,
                 match=match,
+                engine=engine,
+                ray_address=ray_address,
             )
         _report_drops(res.tally.report)
         for note in res.notes:
@@ -892,6 +910,7 @@ def simulate(
             if not force:
                 raise UsageError(f"-o {output}: the file exists. Pass --force to overwrite it.")
             output.unlink()
+        output.parent.mkdir(parents=True, exist_ok=True)
         given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
         cfg = dataclasses.replace(
             SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}

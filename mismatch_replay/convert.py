@@ -4,8 +4,9 @@ Design
 ------
 Reading a framework's export costs ~2-6 s per million tokens (prime-rl writes ~150 bytes of
 JSON a token; slime dumps go through torch's safe unpickler); reading the canonical Parquet
-table costs well under a second. So a user converts once and replays many times. The conversion is the ingest path itself (`io.iter_batches`: same detection, mapping,
-validation and `--drop-invalid` accounting), streamed into a pyarrow writer:
+table costs well under a second. So a user converts once and replays many times. The
+conversion is the ingest path itself (`io.iter_batches`: same detection, mapping, validation
+and `--drop-invalid` accounting), streamed into a pyarrow writer:
 
 - one file: `pq.ParquetWriter`, zstd, batches buffered into row groups of `row_group_rows`
   (default 1M rows, ~10-20 MB compressed: big enough for fast scans, small enough that a
@@ -39,6 +40,7 @@ import pyarrow.parquet as pq
 
 from . import io
 from .errors import DataError, UsageError
+from .output import normal_mode
 
 PARTITIONS = ("step",)
 ROW_GROUP_ROWS = 1_000_000
@@ -234,6 +236,7 @@ def convert(
             groups = _write_file(counted(), tmp, row_group_rows)
             if report.loss_rows == 0:
                 raise _no_tokens(plan, report)
+            normal_mode(tmp)
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -244,6 +247,7 @@ def convert(
             _write_partitioned(counted(), tmp, partition_by, row_group_rows)
             if report.loss_rows == 0:
                 raise _no_tokens(plan, report)
+            normal_mode(tmp)
             _replace_dir(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -39,6 +39,18 @@ def check_target(path: str | Path, force: bool) -> Path:
     return p
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def normal_mode(path: str | Path) -> None:
+    """Give a temporary file (mkstemp: 0600) or directory (mkdtemp: 0700) the permissions a
+    plainly created one would have (0666 / 0777 minus the umask) before it is renamed."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call write(tmp) and rename tmp to path; remove tmp on any failure."""
     p = Path(path)
@@ -47,6 +59,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     os.close(fd)
     try:
         write(Path(tmp))
+        normal_mode(tmp)
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
