@@ -3,38 +3,51 @@
 Design
 ------
 A *job* is one rule with one swept parameter over a grid of K values (a single setting is a
-grid of one). For a token rule the engine computes the rule's score once per batch, bins it
-against the K sorted thresholds (`np.searchsorted`, O(N log K)) and adds per-bin sums into
-arrays of shape (groups, K + 2): bin j holds the tokens that exceed exactly j thresholds, and
-the last bin holds the tokens masked by a fixed side of the rule (score +inf). The masked count
-at grid point k is the suffix sum over bins j > k: exact at every grid point, whatever K.
+grid of one). For a token rule the engine bins the rule's per-token score against the K sorted
+thresholds and adds per-bin sums into arrays of shape (groups, K + 2): bin j holds the tokens
+that exceed exactly j thresholds, and the last bin holds the tokens masked by a fixed side of
+the rule (score +inf). The masked count at grid point k is the suffix sum over bins j > k:
+exact at every grid point, whatever K.
 
 Per bin it keeps the token count, the |dp| mass and, for weight rules, the sum, square sum and
 max of the natural weight, from which the weight mean, max and effective sample size at every
 cap follow exactly (a truncated token's weight is the cap itself).
 
+Two paths fill the same bins (kernels.py): the *fused* one (numba) runs every known token job,
+the metrics, the scatter and the sequence sums in one loop over a batch, split over the cores
+(~300 ns a token on one core for the default sweep's 22 token jobs, vs ~3.5 us for the simple
+path); the *simple* one is numpy, rule by rule (`rule.score()`, `np.searchsorted`,
+`np.bincount`), the reference the fused path is tested against, and what runs without numba.
+Batches are read one ahead in a background thread (`_prefetch`), so Parquet decoding overlaps
+the kernel. On 20M tokens and 2 cores the default sweep takes ~7 s (benchmarks/README.md).
+
 Sequence rules need whole sequences, which may be spread over batches and files. The engine
 therefore keeps per-sequence sums (`SeqStats`: token count, sum of l, sum of k3, max k2,
 min l, ...) keyed by (step, sample_id) -- memory ~ 100 bytes per sequence, not per token -- and
-scores sequences once at the end. For token rules it also keeps each sequence's max score, so
-that every rule reports how many sequences it touches. `m2po` is per step and batch-adaptive:
-it keeps l^2 and |dp| of every token (24 bytes/token) and resolves each step at the end.
+scores sequences once at the end. For token rules it also keeps each sequence's highest bin,
+so that every rule reports how many sequences it touches. `m2po` ranks each step's tokens: the
+`M2POStore` keeps 24 bytes a token per step, in memory up to a cap (768 MiB) and on disk
+beyond it, and tables.py resolves one step at a time, so memory stays bounded by the cap plus
+the largest step.
 
 Every piece of a Tally is a sum, a max or a min, so `Tally + Tally` merges shards exactly:
-the counts do not depend on how the log is split into files or batches.
+the counts do not depend on how the log is split into files, batches or threads, and the Ray
+engine (distributed.py) is the same Tally computed per file and added up.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-from . import io
+from . import io, kernels
 from .errors import DataError, UsageError
 from .metrics import MetricSums
 from .rules import (
@@ -205,12 +218,7 @@ def _bins(score: np.ndarray, thr_sorted: np.ndarray, inclusive: bool) -> np.ndar
     A score of +inf marks a token masked by a fixed side of the rule: it goes to bin K + 1 and
     counts as masked at every value, even at a threshold of +inf (e.g. IcePop's low = 0).
     """
-    if np.isnan(score).any():  # a rule must never produce NaN; fail loudly if one does
-        raise AssertionError("internal error: a rule produced NaN scores")
-    b = np.searchsorted(thr_sorted, score, side="right" if inclusive else "left")
-    k = thr_sorted.shape[0]
-    b[score == math.inf] = k + 1
-    return b
+    return kernels.bin_scores(score, thr_sorted, inclusive)
 
 
 class _Grow:
@@ -294,7 +302,7 @@ TOP_TOKENS = 5
 
 def _k3_bin(k3: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
-        x = np.log10(k3)
+        x = np.log10(np.where(k3 > 0, k3, 1.0))  # k3 = 0 goes to bin 0 below
     i = np.floor((x - K3_LOG10_MIN) / (K3_LOG10_MAX - K3_LOG10_MIN) * K3_BINS).astype(np.int64)
     return np.where(k3 > 0, np.clip(i, 0, K3_BINS - 1) + 1, 0)
 
@@ -340,6 +348,150 @@ def _accumulate(
         bins.seqfrac += np.bincount(idx, weights=inv_n, minlength=size).reshape(groups, width)
 
 
+# ----------------------------------------------------------------------------- m2po store
+
+M2PO_MEMORY_ENV = "MISMATCH_REPLAY_M2PO_MEMORY"  # MiB kept in memory before spilling to disk
+M2PO_MEMORY_MIB = 768
+
+
+class M2POStore:
+    """m2po's input: l^2, |dp|, group and sequence of every loss token, kept per step.
+
+    m2po ranks a whole step's tokens by l^2, so nothing short of the step's values decides a
+    token's fate, and a step may be spread over any number of batches and files. The store
+    keeps 16 bytes a token (float64 l^2 and |dp|), plus 8 for the sequence id when the log
+    has sequences and 4 for the group with --by, grouped by step in input order (ties are
+    broken by it). Up to MISMATCH_REPLAY_M2PO_MEMORY MiB (default 768: 33M tokens of a
+    log with sequence ids) stay in memory; beyond that every step's values are appended to
+    its own files in a temporary directory and `steps()` loads one step at a time, so memory
+    is bounded by the cap plus the largest step whatever the log's size (disk: the same
+    24-28 bytes a token). Tallies merge by appending (the other's tokens come after).
+    """
+
+    FIELDS = (("x", np.float64), ("mass", np.float64), ("g", np.int32), ("seq", np.int64))
+
+    def __init__(self, limit_bytes: int | None = None):
+        if limit_bytes is None:
+            limit_bytes = int(float(os.environ.get(M2PO_MEMORY_ENV, M2PO_MEMORY_MIB)) * 2**20)
+        self.limit = limit_bytes
+        self.parts: dict[int, list[tuple]] = {}
+        self.nbytes = 0
+        self.tokens = 0
+        self.spilled_tokens = 0
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._on_disk: dict[int, int] = {}  # step -> tokens on disk
+        self._absent: set[str] = set()  # columns never given (all zero): not stored
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def add(self, step, x, mass, g=None, seq=None) -> None:
+        """Append a batch's tokens (arrays of equal length, in input order); g / seq None:
+        all zero (no grouping / no sequence ids), not stored."""
+        n = len(x)
+        if n == 0:
+            return
+        if self.tokens == 0:
+            self._absent = {k for k, v in (("g", g), ("seq", seq)) if v is None}
+        cols = (
+            np.asarray(x, np.float64),
+            np.asarray(mass, np.float64),
+            None if "g" in self._absent else np.asarray(g).astype(np.int32),
+            None if "seq" in self._absent else np.asarray(seq, dtype=np.int64),
+        )
+        step = np.asarray(step, dtype=np.int64)
+        if step[0] == step[-1] and (step == step[0]).all():
+            groups = [(int(step[0]), slice(None))]
+        elif (step[1:] >= step[:-1]).all():  # sorted: slices, no copies
+            cut = np.flatnonzero(step[1:] != step[:-1]) + 1
+            bounds = zip(np.r_[0, cut], np.r_[cut, n], strict=True)
+            groups = [(int(step[a]), slice(a, b)) for a, b in bounds]
+        else:
+            order = np.argsort(step, kind="stable")
+            st = step[order]
+            cut = np.flatnonzero(st[1:] != st[:-1]) + 1
+            groups = [
+                (int(st[a]), order[a:b]) for a, b in zip(np.r_[0, cut], np.r_[cut, n], strict=True)
+            ]
+        for s, idx in groups:
+            self.parts.setdefault(s, []).append(tuple(None if c is None else c[idx] for c in cols))
+        self.nbytes += sum(c.nbytes for c in cols if c is not None)
+        self.tokens += n
+        if self.nbytes > self.limit:
+            self.spill()
+
+    def _path(self, step: int, name: str) -> str:
+        return os.path.join(self._dir.name, f"step{step}.{name}")
+
+    def spill(self) -> None:
+        """Append every in-memory part to its step's files and free the memory."""
+        if not self.parts:
+            return
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="mismatch-replay-m2po-")
+        for s, parts in self.parts.items():
+            for k, (name, _) in enumerate(self.FIELDS):
+                if name in self._absent:
+                    continue
+                with open(self._path(s, name), "ab") as f:
+                    for part in parts:
+                        f.write(part[k].tobytes())
+            n = sum(len(p[0]) for p in parts)
+            self._on_disk[s] = self._on_disk.get(s, 0) + n
+            self.spilled_tokens += n
+        self.parts = {}
+        self.nbytes = 0
+
+    def step_ids(self) -> list[int]:
+        return sorted(set(self.parts) | set(self._on_disk))
+
+    def step(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(l^2, |dp|, group, sequence) of step s's tokens, in input order."""
+        out = []
+        n = self._on_disk.get(s, 0) + sum(len(p[0]) for p in self.parts.get(s, []))
+        for k, (name, dt) in enumerate(self.FIELDS):
+            if name in self._absent:
+                out.append(np.zeros(n, np.int64))
+                continue
+            chunks = []
+            if s in self._on_disk:
+                chunks.append(np.fromfile(self._path(s, name), dtype=dt))
+            chunks += [p[k] for p in self.parts.get(s, [])]
+            a = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            out.append(a.astype(np.int64) if name == "g" else a)
+        return out[0], out[1], out[2], out[3]
+
+    def steps(self) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
+        for s in self.step_ids():
+            yield s, self.step(s)
+
+    def absorb(self, other: M2POStore, gmap: np.ndarray, smap: np.ndarray | None) -> None:
+        """Append another store's tokens, mapping its group and sequence ids."""
+        if other.tokens == 0:
+            return
+        if self.tokens == 0:
+            self._absent = set(other._absent)
+        for s, (x, mass, g, seq) in other.steps():
+            g2 = None if "g" in self._absent else gmap[g]
+            seq2 = None if "seq" in self._absent else (smap[seq] if smap is not None else seq)
+            self.add(np.full(x.shape[0], s, np.int64), x, mass, g2, seq2)
+
+    def __getstate__(self):  # pickling (Ray): materialise, no temporary directory
+        return {
+            "limit": self.limit,
+            "absent": set(self._absent),
+            "steps": {s: self.step(s) for s in self.step_ids()},
+        }
+
+    def __setstate__(self, state):
+        self.__init__(state["limit"])
+        absent = set(state["absent"])
+        for s, (x, mass, g, seq) in state["steps"].items():
+            g2 = None if "g" in absent else g
+            seq2 = None if "seq" in absent else seq
+            self.add(np.full(x.shape[0], s, np.int64), x, mass, g2, seq2)
+
+
 # ----------------------------------------------------------------------------- tally
 
 
@@ -357,7 +509,7 @@ class Tally:
     seq_keys: dict = field(default_factory=dict)
     seq: dict[str, _Grow] = field(default_factory=dict)
     seq_max: dict[int, _Grow] = field(default_factory=dict)
-    m2po: list[dict[str, np.ndarray]] = field(default_factory=list)
+    m2po: M2POStore = field(default_factory=M2POStore)
     # scatter histograms, [q bin, p bin]: linear probability axes and log10 axes
     hist_lin: np.ndarray = field(
         default_factory=lambda: np.zeros((SCATTER_BINS, SCATTER_BINS), np.int64)
@@ -392,6 +544,9 @@ class Tally:
         if not self.seq:
             self.seq = {k: _Grow(f) for k, (f, _) in _SEQ_FIELDS.items()}
         self._gidx = {v: i for i, v in enumerate(self.groups)}
+        self._fused: kernels.Fused | None = None  # the fused path's accumulators
+        self._fused_off = False  # numpy backend or bootstrap: the simple path only
+        self.version = 0  # bumped by every change (tables caches m2po bins on it)
 
     # -- groups and sequences
     def _group_codes(self, df: pl.DataFrame) -> np.ndarray:
@@ -421,81 +576,213 @@ class Tally:
             .astype(np.int64)
         )
 
-    def _seq_codes(self, df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        """Per-token global sequence ids and the batch's distinct global ids (in run order)."""
-        keys = df.select("step", "sample_id")
-        new_run = (
-            (pl.col("step") != pl.col("step").shift(1))
-            | (pl.col("sample_id") != pl.col("sample_id").shift(1))
-        ).fill_null(True)
-        run = keys.select(new_run.cum_sum().alias("r"))["r"].to_numpy().astype(np.int64) - 1
-        starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]])
+    def _seq_codes(self, df: pl.DataFrame) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Per-token global sequence ids, and (the batch's distinct global ids, each token's
+        index into them). A sequence is a run of equal (step, sample_id); runs are looked up
+        once each, so a batch of 1M tokens in 512-token sequences costs 2k dict lookups."""
+        step = df["step"]
+        sid = df["sample_id"]
+        if sid.dtype.is_integer() and step.dtype.is_integer():
+            st = step.to_numpy()
+            sd = sid.to_numpy()
+            flags = np.empty(st.shape[0], dtype=bool)
+            flags[:1] = True
+            np.not_equal(st[1:], st[:-1], out=flags[1:])
+            flags[1:] |= sd[1:] != sd[:-1]
+            starts = np.flatnonzero(flags)
+            steps, sids = st[starts].tolist(), sd[starts].tolist()
+        else:
+            new_run = (
+                (pl.col("step") != pl.col("step").shift(1))
+                | (pl.col("sample_id") != pl.col("sample_id").shift(1))
+            ).fill_null(True)
+            flags = df.select(new_run.alias("r"))["r"].to_numpy()
+            starts = np.flatnonzero(flags)
+            steps = step.gather(starts).to_list()
+            sids = sid.gather(starts).to_list()
         gid_of_run = np.empty(starts.shape[0], dtype=np.int64)
-        steps = keys["step"].gather(starts).to_list()
-        sids = keys["sample_id"].gather(starts).to_list()
+        seq_keys = self.seq_keys
         for i, key in enumerate(zip(steps, sids, strict=True)):
-            gid = self.seq_keys.get(key)
+            gid = seq_keys.get(key)
             if gid is None:
-                gid = len(self.seq_keys)
-                self.seq_keys[key] = gid
+                gid = len(seq_keys)
+                seq_keys[key] = gid
             gid_of_run[i] = gid
-        tok_gid = gid_of_run[run]
-        uniq, local = np.unique(tok_gid, return_inverse=True)
-        return tok_gid, (uniq, local)
+        uniq, inv = np.unique(gid_of_run, return_inverse=True)
+        run = np.zeros(flags.shape[0], dtype=np.int64)  # each token's run: a cumulative sum
+        run[starts[1:]] = 1  # of run starts (np.repeat is slower with per-run counts)
+        np.cumsum(run, out=run)
+        return gid_of_run[run], (uniq, inv.reshape(-1)[run])
 
     # -- one batch
+    def _fused_state(self) -> kernels.Fused | None:
+        """The fused path's state, or None where the simple path runs everything."""
+        if self._fused is not None:
+            return self._fused
+        if self._fused_off or self.boot_replicates or kernels.backend() != "numba":
+            self._fused_off = True
+            return None
+        self._fused = kernels.Fused(kernels.Program(self.jobs), seqfrac=self.inv_n is not None)
+        return self._fused
+
     def add_batch(self, df: pl.DataFrame) -> None:
         lp = df["trainer_logprob"].to_numpy()
         lq = df["inference_logprob"].to_numpy()
         adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
-        tb = TokenBatch(lp, lq, adv)
         g = self._group_codes(df)
         G = len(self.groups)
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
+        seq = self._seq_codes(df) if self.has_seq else None
+        self.version += 1
+        fused = self._fused_state()
+        if fused is None:
+            self._add_batch_numpy(df, TokenBatch(lp, lq, adv), g, G, ent, seq)
+            return
+        has_m2po = any(j.rule.level == "step" for j in self.jobs)
+        inv_tok = self.inv_n[seq[0]] if self.inv_n is not None else None
+        lin_w = 1.0 / SCATTER_BINS
+        log_w = (0.0 - SCATTER_LOG10_MIN) / SCATTER_BINS
+        out = fused.run(
+            lp,
+            lq,
+            adv,
+            g,
+            G,
+            seq[1][1] if seq is not None else None,
+            seq[1][0].shape[0] if seq is not None else 0,
+            inv_tok,
+            ent,
+            m2po=has_m2po,
+            scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
+            log_clamp=LOG_CLAMP,
+        )
+        self.metrics.add_sums(out.msum, out.mmax, G)
+        self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
+        self.hist_log += out.hist_log.reshape(SCATTER_BINS, SCATTER_BINS)
+        if seq is not None:
+            parts = {
+                "n": out.seq_sum[:, 0],
+                "sum_l": out.seq_sum[:, 1],
+                "sum_k3": out.seq_sum[:, 2],
+                "sum_exp_abs_l": out.seq_sum[:, 3],
+                "mass": out.seq_sum[:, 4],
+                "max_k2": out.seq_max_k2,
+                "min_l": out.seq_min_l,
+                "group": out.seq_first.astype(np.float64),
+            }
+            if adv is not None:
+                parts["sum_adv"] = out.seq_sum[:, 5]
+            self._merge_seq(parts, seq[1][0])
+        tb = None
+        for ji, job in enumerate(self.jobs):
+            level = job.rule.level
+            if level == "sequence":
+                continue
+            if level == "step":
+                if out.m2po_x is not None:
+                    self.m2po.add(
+                        df["step"].to_numpy(),
+                        out.m2po_x,
+                        out.m2po_mass,
+                        g if self.by is not None else None,
+                        seq[0] if seq is not None else None,
+                    )
+                    out.m2po_x = None  # once per batch, whatever the number of m2po jobs
+                continue
+            slot = fused.p.slot[ji]
+            if slot < 0:  # a rule the kernel does not know: the simple path
+                tb = tb if tb is not None else TokenBatch(lp, lq, adv)
+                self._add_job_numpy(ji, job, tb, g, G, seq, None)
+            elif seq is not None:
+                uniq = seq[1][0]
+                acc = self.seq_max.setdefault(ji, _Grow(-1.0))
+                acc.ensure(len(self.seq_keys))
+                acc.a[uniq] = np.maximum(acc.a[uniq], out.smax[:, slot])
+        if self.robust:
+            tb = tb if tb is not None else TokenBatch(lp, lq, adv)
+            self._add_robust(df, tb, g, G)
+
+    def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq) -> None:
+        """The simple path: numpy, rule by rule (the reference for the fused path)."""
         self.metrics.add(tb, g, G, ent)
         self._add_scatter(tb)
-        seq = self._seq_codes(df) if self.has_seq else None
         if seq is not None:
             self._add_seq(tb, g, seq)
         boot = self._boot_units(df, seq) if self.boot_replicates else None
         if self.robust:
             self._add_robust(df, tb, g, G)
+        m2po_done = False
         for ji, job in enumerate(self.jobs):
             rule = job.rule
             if rule.level == "sequence":
                 continue
             if rule.level == "step":
-                self.m2po.append(
-                    {
-                        "step": df["step"].to_numpy(),
-                        "l2": tb.l * tb.l,
-                        "mass": tb.abs_dp,
-                        "g": g,
-                        "seq": seq[0] if seq is not None else np.zeros(len(tb), np.int64),
-                    }
-                )
+                if not m2po_done:
+                    self.m2po.add(
+                        df["step"].to_numpy(),
+                        tb.l * tb.l,
+                        tb.abs_dp,
+                        g if self.by is not None else None,
+                        seq[0] if seq is not None else None,
+                    )
+                    m2po_done = True
+                continue
+            self._add_job_numpy(ji, job, tb, g, G, seq, boot)
+
+    def _add_job_numpy(self, ji: int, job: Job, tb: TokenBatch, g, G: int, seq, boot) -> None:
+        rule = job.rule
+        bins = self.bins[ji]
+        bins.grow(G)
+        score = rule.score(tb, job.param)
+        thr = job.thresholds[job.order]
+        if np.isnan(score).any():
+            raise AssertionError("internal error: a rule produced NaN scores")
+        b = np.searchsorted(thr, score, side="right" if rule.inclusive else "left")
+        b[score == math.inf] = thr.shape[0] + 1
+        w = rule.weight(tb, job.param) if rule.kind == "weight" else None
+        inv_n = self.inv_n[seq[0]] if self.inv_n is not None else None
+        _accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n)
+        if boot is not None:
+            uniq, local, wts = boot
+            width = len(job.values) + 2
+            c = np.bincount(local * width + b, minlength=uniq.shape[0] * width)
+            acc = self.boot_counts.setdefault(ji, np.zeros((self.boot_replicates, width)))
+            acc += wts @ c.reshape(uniq.shape[0], width)
+        if seq is not None:
+            uniq, local = seq[1]
+            part = np.full(uniq.shape[0], -1.0)
+            np.maximum.at(part, local, b)
+            acc = self.seq_max.setdefault(ji, _Grow(-1.0))
+            acc.ensure(len(self.seq_keys))
+            acc.a[uniq] = np.maximum(acc.a[uniq], part)
+
+    def flush(self) -> None:
+        """Move the fused path's per-thread accumulators into `bins` (idempotent)."""
+        f = self._fused
+        if f is None or not f.dirty:
+            return
+        G = len(self.groups)
+        taken = f.take(G)
+        for ji, slot in enumerate(f.p.slot):
+            if slot < 0 or self.jobs[ji].rule.level != "token":
                 continue
             bins = self.bins[ji]
             bins.grow(G)
-            score = rule.score(tb, job.param)
-            thr = job.thresholds[job.order]
-            b = _bins(score, thr, rule.inclusive)
-            w = rule.weight(tb, job.param) if rule.kind == "weight" else None
-            inv_n = self.inv_n[seq[0]] if self.inv_n is not None else None
-            _accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n)
-            if boot is not None:
-                uniq, local, wts = boot
-                width = len(job.values) + 2
-                c = np.bincount(local * width + b, minlength=uniq.shape[0] * width)
-                acc = self.boot_counts.setdefault(ji, np.zeros((self.boot_replicates, width)))
-                acc += wts @ c.reshape(uniq.shape[0], width)
-            if seq is not None:
-                uniq, local = seq[1]
-                part = np.full(uniq.shape[0], -math.inf)
-                np.maximum.at(part, local, score)
-                acc = self.seq_max.setdefault(ji, _Grow(-math.inf))
-                acc.ensure(len(self.seq_keys))
-                acc.a[uniq] = np.maximum(acc.a[uniq], part)
+            v = f.job_view(taken, slot)
+            bins.count += v["count"]
+            bins.mass += v["mass"]
+            if bins.seqfrac is not None and "seqfrac" in v:
+                bins.seqfrac += v["seqfrac"]
+            if bins.wsum is not None and "wsum" in v:
+                bins.wsum += v["wsum"]
+                bins.wsq += v["wsq"]
+                np.maximum(bins.wmax, v["wmax"], out=bins.wmax)
+
+    def __getstate__(self):
+        self.flush()
+        state = dict(self.__dict__)
+        state["_fused"] = None
+        return state
 
     def _add_robust(self, df: pl.DataFrame, tb: TokenBatch, g: np.ndarray, G: int) -> None:
         width = K3_BINS + 1
@@ -560,7 +847,6 @@ class Tally:
     def _add_seq(self, tb: TokenBatch, g: np.ndarray, seq) -> None:
         uniq, local = seq[1]
         m = uniq.shape[0]
-        n_total = len(self.seq_keys)
         parts = {
             "n": np.bincount(local, minlength=m).astype(float),
             "sum_l": np.bincount(local, weights=tb.l, minlength=m),
@@ -578,6 +864,11 @@ class Tally:
         first = np.full(m, -1.0)
         first[local[::-1]] = g[::-1]  # first token's group wins
         parts["group"] = first
+        self._merge_seq(parts, uniq)
+
+    def _merge_seq(self, parts: dict[str, np.ndarray], uniq: np.ndarray) -> None:
+        """Combine a batch's per-sequence partials (indexed like uniq) into the totals."""
+        n_total = len(self.seq_keys)
         for name, (_fill, how) in _SEQ_FIELDS.items():
             if name not in parts:
                 continue
@@ -607,6 +898,9 @@ class Tally:
         return out
 
     def _absorb(self, t: Tally) -> None:
+        self.flush()
+        t.flush()
+        self.version += 1
         gmap = []
         for v in t.groups:
             if v not in self._gidx:
@@ -648,14 +942,10 @@ class Tally:
                 "first": lambda c, s: np.where(c < 0, s, c),
             }[how](cur, src)
         for ji, grow in t.seq_max.items():
-            acc = self.seq_max.setdefault(ji, _Grow(-math.inf))
+            acc = self.seq_max.setdefault(ji, _Grow(-1.0))
             acc.ensure(n)
             acc.a[smap] = np.maximum(acc.a[smap], grow.a[:k])
-        for chunk in t.m2po:
-            c = dict(chunk)
-            c["g"] = gmap[c["g"]]
-            c["seq"] = smap[c["seq"]] if self.has_seq else c["seq"]
-            self.m2po.append(c)
+        self.m2po.absorb(t.m2po, gmap, smap if self.has_seq else None)
         self.report += t.report
         self.hist_lin += t.hist_lin
         self.hist_log += t.hist_log
@@ -679,6 +969,7 @@ class Tally:
     def result(self) -> SweepResult:
         from .tables import sweep_table
 
+        self.flush()
         return SweepResult(
             table=sweep_table(self),
             metrics=self.metrics.table(self.by, self.groups),
@@ -746,6 +1037,8 @@ def replay(
     bootstrap: tuple[int, str, int] | None = None,
     robust: bool = False,
     jobs: Sequence[Job] | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
 
@@ -758,20 +1051,27 @@ def replay(
     token rule's per-bin counts over units "sequence" or "step" (analysis.choose uses it).
     `robust=True` keeps per-group k3 histograms and top-k3 tokens (analysis.drift uses it).
     `jobs` replaces rules and sweeps with ready-made jobs.
+
+    `engine="ray"` computes the same Tally per file on a Ray cluster (distributed.py;
+    `ray_address` attaches to a running one, else `ray.init()` decides) and adds them up.
     """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: use one of {', '.join(ENGINES)}.")
     plan = sources if isinstance(sources, io.Plan) else io.plan_sources(sources, options)
+    jobs, notes = _resolve_jobs(plan, rules, sweeps, jobs)
+    if engine == "ray":
+        if match is not None or bootstrap is not None or robust:
+            raise UsageError(
+                "--engine ray computes sweeps, metrics and scatters; --match, bootstraps and "
+                "robust drift statistics run on the local engine (drop --engine ray)."
+            )
+        from . import distributed
+
+        tally = distributed.replay(plan, jobs, by, address=ray_address, progress=progress)
+        tally.notes = [*notes, *tally.notes]
+        tally.rule_warnings = spec_warnings(rules or [])
+        return tally
     available = plan.columns
-    if jobs is None:
-        jobs, notes = plan_jobs(rules, sweeps, available)
-    else:  # pre-built jobs (analysis refines grids this way)
-        jobs, notes = list(jobs), []
-        for j in jobs:
-            lacking = [c for c in j.rule.needs if c not in available]
-            if lacking:
-                raise DataError(
-                    f"{plan.files[0]}: rule '{j.rule.name}' needs the column(s) "
-                    f"{', '.join(lacking)} (found: {', '.join(available)}). Map one with --map."
-                )
     cols = columns_needed(jobs, by, available)
     keep = None
     pre = None
@@ -819,7 +1119,7 @@ def replay(
     tally.notes = notes
     total = sum(plan.rows)
     dropped_zero = 0
-    for _, df in io.iter_batches(plan, cols, tally.report):
+    for _, df in _prefetch(io.iter_batches(plan, cols, tally.report)):
         if keep is not None:
             before = df.height
             df = keep(df)
@@ -828,12 +1128,7 @@ def replay(
             tally.add_batch(df)
         if progress is not None:
             progress(tally.report.rows, total)
-    if tally.report.loss_rows == 0:
-        raise DataError(
-            f"{plan.files[0]}{' and others' if len(plan.files) > 1 else ''}: no loss tokens "
-            f"to replay ({tally.report.rows:,} row(s) read, none with loss_mask true and valid). "
-            "Check the loss_mask column and the --map options."
-        )
+    check_loss_tokens(plan, tally)
     if match is not None:
         tally.notes.append(
             f"prime-rl conventions: {dropped_zero:,} zero-advantage loss tokens left out; "
@@ -841,6 +1136,99 @@ def replay(
         )
     tally.rule_warnings = spec_warnings(rules or [])
     return tally
+
+
+ENGINES = ("local", "ray")
+
+
+def _resolve_jobs(plan: io.Plan, rules, sweeps, jobs) -> tuple[list[Job], list[str]]:
+    available = plan.columns
+    if jobs is None:
+        return plan_jobs(rules, sweeps, available)
+    for j in jobs:  # pre-built jobs (analysis refines grids this way)
+        lacking = [c for c in j.rule.needs if c not in available]
+        if lacking:
+            raise DataError(
+                f"{plan.files[0]}: rule '{j.rule.name}' needs the column(s) "
+                f"{', '.join(lacking)} (found: {', '.join(available)}). Map one with --map."
+            )
+    return list(jobs), []
+
+
+def check_loss_tokens(plan: io.Plan, tally: Tally) -> None:
+    if tally.report.loss_rows == 0:
+        raise DataError(
+            f"{plan.files[0]}{' and others' if len(plan.files) > 1 else ''}: no loss tokens "
+            f"to replay ({tally.report.rows:,} row(s) read, none with loss_mask true and valid). "
+            "Check the loss_mask column and the --map options."
+        )
+
+
+def shard_tally(
+    plan: io.Plan,
+    jobs: Sequence[Job],
+    by: str | None,
+    cols: Sequence[str],
+    has_seq: bool,
+    has_adv: bool,
+    sample_id_offset: int | None = None,
+) -> Tally:
+    """The Tally of one shard's plan (the Ray engine's task body), flushed for shipping.
+    `sample_id_offset` is added to sample ids that ingest numbers by row (one row per
+    sequence without a sample_id column), so that they stay unique across shards."""
+    tally = Tally(list(jobs), by, has_seq=has_seq, has_adv=has_adv)
+    for _, df in _prefetch(io.iter_batches(plan, cols, tally.report)):
+        if sample_id_offset:
+            df = df.with_columns(pl.col("sample_id") + sample_id_offset)
+        if df.height:
+            tally.add_batch(df)
+    tally.flush()
+    return tally
+
+
+def _prefetch(batches: Iterator, depth: int = 2) -> Iterator:
+    """Iterate `batches` in a background thread, `depth` batches ahead: Parquet decoding and
+    canonicalisation (pyarrow and polars release the GIL) overlap the kernel. Errors are
+    raised here, in order; stopping early stops the reader."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in batches:
+                while not stop.is_set():
+                    try:
+                        q.put((True, item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((True, done))
+        except BaseException as exc:  # handed to the consumer
+            q.put((False, exc))
+
+    t = threading.Thread(target=produce, name="mismatch-replay-reader", daemon=True)
+    t.start()
+    try:
+        while True:
+            ok, item = q.get()
+            if not ok:
+                raise item
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        while t.is_alive():
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                t.join(timeout=0.05)
 
 
 def sweep(*args, **kwargs) -> SweepResult:

@@ -109,6 +109,16 @@ class MetricSums:
         np.maximum.at(self.m["k3_max"], g, k3)
         np.maximum.at(self.m["abs_dp_max"], g, tb.abs_dp)
 
+    def add_sums(self, sums: np.ndarray, maxes: np.ndarray, groups: int) -> None:
+        """Add per-group sums computed elsewhere (the fused kernel): sums (G, 15) in _SUMS
+        order, maxes (G, 2) in _MAXES order."""
+        self._grow(groups)
+        for i, k in enumerate(_SUMS):
+            self.s[k][: sums.shape[0]] += sums[:, i]
+        for i, k in enumerate(_MAXES):
+            m = self.m[k]
+            m[: maxes.shape[0]] = np.maximum(m[: maxes.shape[0]], maxes[:, i])
+
     def absorb(self, other: MetricSums, gmap: np.ndarray, groups: int) -> None:
         self._grow(groups)
         for k, a in other.s.items():

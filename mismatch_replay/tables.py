@@ -4,8 +4,9 @@ Design
 ------
 Every job ends as per-bin sums of shape (groups, K + 2) (see engine.py); token rules have them
 from the streaming pass, sequence rules and m2po get them here, from the per-sequence sums and
-the per-step l^2 values. One function then turns bins into rows by suffix sums, so every rule
-reports the same columns:
+the per-step l^2 values (one step at a time from the engine's M2POStore, steps spread over the
+cores: a step's running sums never mix with another step's). One function then turns bins into
+rows by suffix sums, so every rule reports the same columns:
 
 rule, setting (the fixed parameters), param, value, [group], tokens, masked_tokens,
 masked_fraction, truncated_tokens, truncated_fraction, sequences, masked_sequences,
@@ -17,11 +18,10 @@ Undefined values (no sequences in the log, a weight statistic of a mask rule) ar
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import polars as pl
 
+from . import kernels
 from .engine import Job, Tally, _accumulate, _bins, _JobBins, _new_bins
 
 COLUMNS = (
@@ -64,6 +64,13 @@ def _seq_bins(tally: Tally, score: np.ndarray, job: Job, G: int) -> np.ndarray:
     return np.bincount(g * width + b, minlength=G * width).reshape(G, width).astype(np.int64)
 
 
+def _seq_count(tally: Tally, maxbin: np.ndarray, width: int, G: int) -> np.ndarray:
+    """Sequences per (group, bin) from each sequence's max bin over its tokens (-1: none)."""
+    g = tally.seq["group"].a[: len(tally.seq_keys)].astype(np.int64)
+    b = np.maximum(maxbin, 0).astype(np.int64)
+    return np.bincount(g * width + b, minlength=G * width).reshape(G, width).astype(np.int64)
+
+
 def _sequence_job_bins(tally: Tally, job: Job, G: int) -> _JobBins:
     st = tally.seq_stats()
     rule = job.rule
@@ -85,63 +92,96 @@ def m2po_scores(tally: Tally) -> dict[str, np.ndarray]:
     Within a step, sort l^2 descending: x_1 >= ... >= x_n. The token of rank m (0-based) gets
     M_m = mean(x_{m+1..n}); M is non-increasing in m, so "mask the largest until the rest's
     mean is < tau" masks exactly the tokens with M_m >= tau. Ties are broken by input order.
+    The running sums restart at each step (a step's scores never depend on another step).
+    For inspection and tests: it holds every token; the sweep itself bins step by step
+    (`_m2po_bins`).
     """
-    if not tally.m2po:
-        z = np.zeros(0)
-        return {"score": z, "g": z.astype(np.int64), "mass": z, "seq": z.astype(np.int64)}
-    cat = {k: np.concatenate([c[k] for c in tally.m2po]) for k in tally.m2po[0]}
-    order = np.lexsort((-cat["l2"], cat["step"]))
-    step = cat["step"][order]
-    x = cat["l2"][order]
-    n = x.shape[0]
-    starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
-    seg = np.repeat(np.arange(starts.shape[0]), np.diff(np.r_[starts, n]))
-    csum = np.cumsum(x)
-    seg_total = np.add.reduceat(x, starts)
-    seg_start_csum = np.r_[0.0, csum][starts]
-    before = np.r_[0.0, csum[:-1]] - seg_start_csum[seg]  # sum of larger ones in the step
-    seg_len = np.diff(np.r_[starts, n])
-    rank = np.arange(n) - starts[seg]
-    rest = seg_total[seg] - before
-    # Sums of a sorted segment can undershoot by rounding; clamp at 0 (l^2 >= 0).
-    score = np.maximum(rest, 0.0) / (seg_len[seg] - rank)
-    return {
-        "score": score,
-        "g": cat["g"][order],
-        "mass": cat["mass"][order],
-        "seq": cat["seq"][order],
-    }
+    out: dict[str, list[np.ndarray]] = {"score": [], "g": [], "mass": [], "seq": []}
+    for _, (x, mass, g, seq) in tally.m2po.steps():
+        n = x.shape[0]
+        order = np.argsort(-x, kind="stable")
+        xs = x[order]
+        csum = np.cumsum(xs)
+        before = np.concatenate([[0.0], csum[:-1]])
+        out["score"].append(np.maximum(csum[-1] - before, 0.0) / (n - np.arange(n)))
+        out["g"].append(g[order])
+        out["mass"].append(mass[order])
+        out["seq"].append(seq[order])
+    z = np.zeros(0)
+    kinds = {"score": z, "g": z.astype(np.int64), "mass": z, "seq": z.astype(np.int64)}
+    return {k: np.concatenate(v) if v else kinds[k] for k, v in out.items()}
 
 
-def _m2po_job_bins(tally: Tally, job: Job, G: int) -> _JobBins:
-    m = m2po_scores(tally)
-    thr = job.thresholds[job.order]
-    b = _bins(m["score"], thr, True)
+def _m2po_bins(tally: Tally) -> dict[int, _JobBins]:
+    """Bins of every m2po job, resolved step by step from the tally's M2POStore (memory: one
+    step per thread), steps spread over the threads; cached until the tally changes."""
+    cached = getattr(tally, "_m2po_cache", None)
+    if cached is not None and cached[0] == tally.version:
+        return cached[1]
+    G = len(tally.groups)
+    n_seq = len(tally.seq_keys)
     matching = tally.inv_n is not None
-    bins = _new_bins(len(job.values), G, False, matching)
-    inv_n = tally.inv_n[m["seq"]] if matching else None
-    _accumulate(bins, b, m["g"], G, m["mass"], inv_n=inv_n)
+    todo = {ji: job for ji, job in enumerate(tally.jobs) if job.rule.level == "step"}
+    steps = tally.m2po.step_ids()
+    nt = max(1, min(kernels.threads(), len(steps)))
+
+    def work(part: list[int]):
+        out = {ji: _new_bins(len(job.values), G, False, matching) for ji, job in todo.items()}
+        seq_bin = {ji: np.full(max(n_seq, 1), -1, np.int64) for ji in todo}
+        for s in part:
+            x, mass, g, seq = tally.m2po.step(s)
+            inv = tally.inv_n[seq] if matching else None
+            for ji, job in todo.items():
+                b = out[ji]
+                kernels.m2po_step_bins(
+                    x,
+                    g,
+                    mass,
+                    seq,
+                    inv,
+                    job.thresholds[job.order],
+                    G,
+                    n_seq,
+                    b.count,
+                    b.mass,
+                    b.seqfrac,
+                    seq_bin[ji],
+                )
+        return out, seq_bin
+
+    if nt == 1:
+        parts = [work(steps)]
+    else:
+        parts = list(kernels._executor(nt).map(work, [steps[t::nt] for t in range(nt)]))
+    out, seq_bin = parts[0]
+    for o, sb in parts[1:]:
+        for ji in todo:
+            out[ji].count += o[ji].count
+            out[ji].mass += o[ji].mass
+            if matching:
+                out[ji].seqfrac += o[ji].seqfrac
+            np.maximum(seq_bin[ji], sb[ji], out=seq_bin[ji])
     if tally.has_seq:
-        n = len(tally.seq_keys)
-        smax = np.full(n, -math.inf)
-        np.maximum.at(smax, m["seq"], m["score"])
-        bins.seq_count = _seq_bins(tally, smax, job, G)
-    return bins
+        for ji, job in todo.items():
+            out[ji].seq_count = _seq_count(tally, seq_bin[ji][:n_seq], len(job.values) + 2, G)
+    tally._m2po_cache = (tally.version, out)
+    return out
 
 
 def job_bins(tally: Tally, ji: int) -> _JobBins:
     """The finished per-bin sums of job `ji`, shape (groups, K + 2)."""
+    tally.flush()
     job = tally.jobs[ji]
     G = len(tally.groups)
     if job.rule.level == "sequence":
         return _sequence_job_bins(tally, job, G)
     if job.rule.level == "step":
-        return _m2po_job_bins(tally, job, G)
+        return _m2po_bins(tally)[ji]
     bins = tally.bins[ji]
     bins.grow(G)
     if tally.has_seq and ji in tally.seq_max:
-        smax = tally.seq_max[ji].a[: len(tally.seq_keys)]
-        bins.seq_count = _seq_bins(tally, smax, job, G)
+        maxbin = tally.seq_max[ji].a[: len(tally.seq_keys)]
+        bins.seq_count = _seq_count(tally, maxbin, len(job.values) + 2, G)
     return bins
 
 

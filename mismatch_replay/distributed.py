@@ -1,0 +1,120 @@
+"""The Ray engine: the local engine's Tally, computed per file on a Ray cluster and added up.
+
+Design
+------
+A Tally is a sum (counts, masses, metric sums, histograms), a max or a min per bin, group and
+sequence, so the Tally of a log is the sum of its shards' Tallies, whatever the split
+(engine.Tally.__add__). The driver plans the read once (schemas only), sends one task per
+file -- the plan narrowed to that file, the jobs, the columns -- and each task streams its
+file through the same `engine.shard_tally` the local engine runs, fused kernel included
+(one thread per task: Ray gives each task one CPU). Shard Tallies come back through the
+object store and are added in file order, which is also what makes them identical to the
+local engine's: sequence ids and groups are numbered in order of appearance, a sequence's
+group is its first token's, and m2po breaks ties by input order.
+
+Sizes: a shard Tally is ~(groups x sum of grid sizes x 48 bytes) + ~100 bytes per sequence,
+plus, when m2po is swept, 24-28 bytes per token (m2po ranks each step's tokens: they travel
+to the driver, which spills them to disk past MISMATCH_REPLAY_M2PO_MEMORY and resolves one
+step at a time). Leave m2po out (`--rule`) to keep the driver's traffic independent of the
+log's size.
+
+`ray.init()` attaches to the cluster named by `address` (or RAY_ADDRESS), else starts a local
+one with a worker per core. The package must be importable on the workers (installed there,
+or shipped with a runtime_env). Ray is optional: `pip install mismatch-replay[ray]`; nothing
+else imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+from . import io
+from .engine import Job, Tally, check_loss_tokens, columns_needed, shard_tally
+from .errors import UsageError
+
+# sample ids numbered by row get a per-file base when ingest's row counts are estimates
+_ID_BASE = 1 << 40
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - exercised only without the extra
+        raise UsageError(
+            "--engine ray needs Ray: pip install 'mismatch-replay[ray]' (or use --engine local)."
+        ) from None
+    return ray
+
+
+def init(address: str | None = None, **kwargs) -> None:
+    """Attach to (or start) a Ray cluster once per process."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init(
+            address=address,
+            ignore_reinit_error=True,
+            include_dashboard=False,
+            log_to_driver=False,
+            **kwargs,
+        )
+
+
+def shards(plan: io.Plan) -> list[tuple[io.Plan, int | None]]:
+    """One (plan, sample-id offset) per file of the plan."""
+    synthesised = bool(plan.list_columns) and "sample_id" not in plan.source
+    out = []
+    offset = 0
+    for i, path in enumerate(plan.files):
+        part = dataclasses.replace(
+            plan,
+            files=(path,),
+            rows=(plan.rows[i],),
+            file_steps=(plan.file_steps[i],) if i < len(plan.file_steps) else (),
+        )
+        if not synthesised:
+            base = None
+        elif plan.format == "parquet":  # exact row counts: the local engine's numbering
+            base = offset
+        else:
+            base = i * _ID_BASE
+        out.append((part, base))
+        offset += plan.rows[i]
+    return out
+
+
+def _task(plan, jobs, by, cols, has_seq, has_adv, offset):
+    os.environ.setdefault("MISMATCH_REPLAY_THREADS", "1")
+    return shard_tally(plan, jobs, by, cols, has_seq, has_adv, offset)
+
+
+def replay(
+    plan: io.Plan,
+    jobs: Sequence[Job],
+    by: str | None = None,
+    address: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Tally:
+    """The Tally of `plan` for `jobs`, one Ray task per file, merged in file order."""
+    ray = _ray()
+    init(address)
+    cols = columns_needed(jobs, by, plan.columns)
+    has_seq, has_adv = "sample_id" in cols, "advantage" in cols
+    remote = ray.remote(num_cpus=1)(_task)
+    jobs_ref = ray.put(list(jobs))
+    refs = [
+        remote.remote(part, jobs_ref, by, cols, has_seq, has_adv, offset)
+        for part, offset in shards(plan)
+    ]
+    total = sum(plan.rows)
+    tally = Tally(list(jobs), by, has_seq=has_seq, has_adv=has_adv)
+    done_rows = 0
+    for ref in refs:  # in file order: merging order fixes sequence and group numbering
+        part = ray.get(ref)
+        tally._absorb(part)
+        done_rows += part.report.rows
+        if progress is not None:
+            progress(done_rows, total)
+    check_loss_tokens(plan, tally)
+    return tally

@@ -1,0 +1,396 @@
+"""The fused path (kernels.py, numba) against the simple path (numpy, rule by rule).
+
+Every optimisation has its own check: direct binning against np.searchsorted (ties, signed
+zeros, infinities, duplicates, coarse tables), the fused pass against the simple pass on
+random logs with exact threshold ties (every rule, grouping, batch sizes, threads), m2po's
+per-step kernel against a stable argsort, the m2po store spilling to disk, rules the kernel
+does not know falling back job by job, and the simple path forced by the environment.
+Tests that need numba are skipped without it; the rest run either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import numpy as np
+import polars as pl
+import pytest
+from conftest import NICE_RATIOS, assert_tables_equal, log_file, logs, random_log, write_log
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mismatch_replay import engine, io, kernels
+from mismatch_replay.rules import IPO, REGISTRY, TokenBatch, binary_kl
+
+HAVE_NUMBA = kernels.backend() == "numba"
+needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
+
+
+@contextlib.contextmanager
+def env(**kw):
+    old = {k: os.environ.get(k) for k in kw}
+    os.environ.update({k: str(v) for k, v in kw.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- binning
+
+SPECIALS = (0.0, -0.0, math.inf, -math.inf, 5e-324, -5e-324, 1e-300, 1.0, -1.0)
+
+
+@st.composite
+def threshold_sets(draw) -> np.ndarray:
+    kind = draw(st.sampled_from(["log", "lin", "mixed", "dups"]))
+    k = draw(st.integers(1, 150))
+    if kind == "log":
+        lo = draw(st.floats(1e-12, 1.0))
+        v = np.geomspace(lo, lo * draw(st.floats(1.001, 1e6)), k)
+    elif kind == "lin":
+        lo = draw(st.floats(-10.0, 10.0))
+        v = np.linspace(lo, lo + draw(st.floats(1e-9, 100.0)), k)
+    elif kind == "mixed":
+        v = np.array(
+            draw(
+                st.lists(
+                    st.floats(allow_nan=False) | st.sampled_from(SPECIALS), min_size=1, max_size=k
+                )
+            )
+        )
+    else:
+        v = np.repeat(np.array(draw(st.lists(st.floats(-5, 5), min_size=1, max_size=20))), 3)
+    return np.sort(v.astype(np.float64))
+
+
+@settings(max_examples=200)
+@given(thr=threshold_sets(), data=st.data())
+def test_direct_binning_equals_searchsorted(thr, data):
+    """Scores on, just above and just below every threshold, and anywhere else."""
+    extra = np.array(data.draw(st.lists(st.floats(allow_nan=False), max_size=30)), np.float64)
+    s = np.concatenate(
+        [thr, np.nextafter(thr, math.inf), np.nextafter(thr, -math.inf), extra, SPECIALS]
+    )
+    incl = data.draw(st.booleans())
+    lut = data.draw(st.sampled_from([4, 5, 16, kernels.MAX_LUT]))
+    bn = kernels.make_binner(thr, incl, max_lut=lut)
+    ref = np.searchsorted(thr, s, side="right" if incl else "left")
+    ref[s == math.inf] = thr.size + 1
+    assert np.array_equal(kernels.lut_bins(s, bn), ref)
+    if HAVE_NUMBA:
+        out = np.empty(s.size, np.int64)
+        j = kernels.jit()
+        err = j.bin_array(s, thr.size, bn.thr, incl, bn.lut, bn.nl, bn.klo, bn.khi, bn.shift, out)
+        assert err == 0
+        assert np.array_equal(out, ref)
+
+
+def test_bin_scores_refuses_nan_on_both_paths():
+    thr = np.array([0.1, 0.2])
+    s = np.r_[np.zeros(5000), np.nan]
+    for backend in ("numpy", "numba") if HAVE_NUMBA else ("numpy",):
+        with kernels.use_backend(backend), pytest.raises(AssertionError, match="NaN"):
+            kernels.bin_scores(s, thr, False)
+
+
+# ----------------------------------------------------------------------------- fused pass
+
+
+def _tie_values(rule: str, param: str, df: pl.DataFrame) -> list[float]:
+    """Grid values whose threshold equals some token's score exactly."""
+    ok = df.filter(pl.col("loss_mask")) if "loss_mask" in df.columns else df
+    tb = TokenBatch(ok["trainer_logprob"].to_numpy(), ok["inference_logprob"].to_numpy())
+    dp = tb.dp
+    vals: dict[tuple[str, str], np.ndarray] = {
+        ("ipo", "eps"): tb.abs_dp,
+        ("ipo-v1", "high"): dp[dp > 0],
+        ("ipo-v1", "low"): -dp[dp < 0],
+        ("dppo-tv", "high"): dp[dp > 0],
+        ("dppo-tv", "low"): -dp[dp < 0],
+        ("token-k2", "hi"): tb.k2,
+        ("token-k3", "hi"): tb.k3,
+        ("dual-clip", "c"): tb.r[tb.r > 1],
+        ("kpop", "phi"): np.maximum(binary_kl(tb.lp, tb.lq, 1e-6), binary_kl(tb.lq, tb.lp, 1e-6)),
+        ("dppo-kl", "high"): binary_kl(tb.lq, tb.lp, 1e-6),
+        ("dppo-kl", "low"): binary_kl(tb.lq, tb.lp, 1e-6),
+    }
+    v = vals.get((rule, param))
+    if v is None:  # ratio thresholds: the log's exact-ratio tokens (conftest.NICE_RATIOS)
+        return list(NICE_RATIOS)
+    v = v[np.isfinite(v)]
+    return sorted({float(x) for x in v})[:20]
+
+
+def _grids(df: pl.DataFrame, data) -> dict[str, np.ndarray]:
+    sweeps = {}
+    for name, cls in REGISTRY.items():
+        for p in cls.params:
+            if not p.threshold:
+                continue
+            default = engine.parse_grid(p.grid)
+            ties = _tie_values(name, p.name, df)
+            pick = (
+                data.draw(st.lists(st.sampled_from(ties), max_size=6), label=f"{name}.{p.name}")
+                if ties
+                else []
+            )
+            sweeps[f"{name}.{p.name}"] = np.unique(np.r_[default[::7], pick])
+    return sweeps
+
+
+def _both(sources, **kw):
+    out = {}
+    for backend in ("numba", "numpy"):
+        with kernels.use_backend(backend):
+            out[backend] = engine.sweep(sources, **kw)
+    return out["numba"], out["numpy"]
+
+
+# Statistics computed as differences of sums (E[x^2] - E[x]^2): where the variance is tiny
+# they amplify the last-bit differences that splitting a batch over threads makes in the sums.
+CANCELLING = ("kl_k3_std", "abs_dp_std", "probs_pearson")
+
+
+def _assert_same(fast, simple, by, split: bool = False):
+    """Counts exact, floats to 1e-9; with a batch split over threads (split=True), the
+    metric sums to 1e-12 and the statistics that cancel are compared through them."""
+    keys = ("rule", "setting", "param", "value", *([by] if by else []))
+    assert_tables_equal(fast.table, simple.table, keys=keys, rel=1e-9)
+    skip = CANCELLING if split else ()
+    assert_tables_equal(fast.metrics, simple.metrics, keys=[by] if by else [], rel=1e-9, skip=skip)
+    a, b = fast.tally.metrics, simple.tally.metrics
+    for k in a.s:
+        assert np.allclose(a.s[k], b.s[k], rtol=1e-12, atol=1e-300), k
+    for k in a.m:
+        assert np.array_equal(a.m[k], b.m[k]), k
+    for name in ("hist_lin", "hist_log"):
+        assert np.array_equal(getattr(fast.tally, name), getattr(simple.tally, name)), name
+
+
+@needs_numba
+@settings(max_examples=40)
+@given(df=logs(), data=st.data())
+def test_fused_and_simple_paths_agree_on_random_logs(df, data):
+    """Every rule, default grids thinned plus grid values tied exactly to token scores;
+    grouping, batch sizes and threads drawn."""
+    by = data.draw(st.sampled_from([None, "step", "env"]), label="by")
+    batch = data.draw(st.sampled_from([3, 1_000_000]), label="batch_rows")
+    threads = data.draw(st.sampled_from([1, 3]), label="threads")
+    sweeps = _grids(df, data)
+    old = kernels.Fused.MIN_CHUNK
+    kernels.Fused.MIN_CHUNK = 1
+    try:
+        with env(MISMATCH_REPLAY_THREADS=threads), log_file(df) as path:
+            fast, simple = _both(
+                [path], sweeps=sweeps, by=by, options=io.ReadOptions(batch_rows=batch)
+            )
+    finally:
+        kernels.Fused.MIN_CHUNK = old
+    _assert_same(fast, simple, by, split=threads > 1)
+
+
+@needs_numba
+@pytest.mark.parametrize("by", [None, "step", "q_bucket"])
+def test_fused_and_simple_paths_agree_on_a_realistic_log(tmp_path, by):
+    rng = np.random.default_rng(5)
+    df = random_log(rng, steps=4, seqs=12, max_len=40, mismatch=0.2)
+    path = write_log(tmp_path / "log.parquet", df)
+    fast, simple = _both([path], by=by, options=io.ReadOptions(batch_rows=97))
+    _assert_same(fast, simple, by)
+
+
+@needs_numba
+def test_fused_and_simple_paths_agree_with_prime_rl_conventions(tmp_path):
+    rng = np.random.default_rng(6)
+    path = write_log(tmp_path / "log.parquet", random_log(rng, steps=3, seqs=10, max_len=30))
+    fast, simple = _both([path], match="prime-rl", options=io.ReadOptions(batch_rows=50))
+    _assert_same(fast, simple, None)
+    assert fast.table["is_masked_mean"].null_count() < fast.table.height
+
+
+@needs_numba
+def test_threads_split_a_batch_without_changing_counts(tmp_path):
+    rng = np.random.default_rng(7)
+    path = write_log(tmp_path / "log.parquet", random_log(rng, steps=3, seqs=20, max_len=60))
+    old = kernels.Fused.MIN_CHUNK
+    kernels.Fused.MIN_CHUNK = 1
+    try:
+        res = {}
+        for t in (1, 2, 5):
+            with env(MISMATCH_REPLAY_THREADS=t):
+                res[t] = engine.sweep([path], by="step")
+    finally:
+        kernels.Fused.MIN_CHUNK = old
+    for t in (2, 5):
+        _assert_same(res[t], res[1], "step", split=True)
+
+
+@needs_numba
+def test_threads_folded_past_the_memory_budget_keep_counts(tmp_path, monkeypatch):
+    """With many groups, fewer threads keep their own bins (kernels.ACCUM_BUDGET)."""
+    rng = np.random.default_rng(12)
+    path = write_log(tmp_path / "log.parquet", random_log(rng, steps=6, seqs=10, max_len=40))
+    monkeypatch.setattr(kernels.Fused, "MIN_CHUNK", 1)
+    opts = io.ReadOptions(batch_rows=50)
+    with env(MISMATCH_REPLAY_THREADS=3):
+        base = engine.sweep([path], by="step", options=opts)
+        monkeypatch.setattr(kernels, "ACCUM_BUDGET", 200_000)
+        folded = engine.sweep([path], by="step", options=opts)
+    assert base.tally._fused.t == 3 and folded.tally._fused.t == 1
+    _assert_same(folded, base, "step", split=True)
+
+
+@needs_numba
+def test_unknown_rules_fall_back_to_the_simple_path(tmp_path):
+    class MyIPO(IPO):  # a subclass may override score(): the kernel must not assume it
+        def score(self, b, param):
+            return b.abs_dp * 2.0
+
+    rng = np.random.default_rng(8)
+    path = write_log(tmp_path / "log.parquet", random_log(rng))
+    rules = [MyIPO(), IPO()]
+    prog = kernels.Program([engine.Job(r, "eps", np.array([0.01, 0.1])) for r in rules])
+    assert prog.slot[0] == -1 and prog.slot[1] >= 0
+    fast, simple = _both([path], rules=rules, sweeps={"eps": "0.001:1:30:log"})
+    _assert_same(fast, simple, None)
+    mine = fast.table.filter(pl.col("rule") == "ipo")
+    assert mine.height == 60  # both rules report (same name), and they differ
+    a, b = mine[:30], mine[30:]
+    assert (a["masked_tokens"] != b["masked_tokens"]).any()
+
+
+def test_every_catalogue_token_rule_is_compiled():
+    """A token rule added to rules.py needs a kernel op (or it runs on the simple path)."""
+    missing = []
+    for name, cls in REGISTRY.items():
+        if cls.level != "token":
+            continue
+        for p in cls.params:
+            if p.threshold:
+                job = engine.Job(cls(**_complete(cls)), p.name, np.array([0.5, 2.0]))
+                if kernels.compile_job(job) is None:
+                    missing.append(f"{name}.{p.name}")
+    assert not missing, f"no kernel op for {missing}"
+
+
+def _complete(cls) -> dict:
+    return {k: (v if v is not None else 0.5) for k, v in cls.defaults().items()}
+
+
+def test_identical_jobs_share_a_kernel_slot():
+    jobs, _ = engine.plan_jobs(None, None, ("trainer_logprob", "inference_logprob"))
+    prog = kernels.Program(jobs)
+    slot = {j.label: prog.slot[i] for i, j in enumerate(jobs)}
+    assert slot["icepop[high=5]:low"] == slot["token-mis[high=5]:low"]
+    assert slot["icepop[low=0.5]:high"] == slot["token-mis[low=0.5]:high"]
+    assert slot["ipo[]:eps"] != slot["icepop[low=0.5]:high"]
+
+
+# ----------------------------------------------------------------------------- m2po
+
+
+@settings(max_examples=80)
+@given(data=st.data())
+def test_m2po_step_kernel_equals_stable_argsort(data):
+    """Heavy ties (few distinct l^2 values), thresholds on exact suffix means."""
+    n = data.draw(st.integers(1, 60), label="n")
+    pool = data.draw(
+        st.lists(st.sampled_from([0.0, 1 / 64, 1 / 16, 0.25, 1.0, 2.0, 1e-9]), min_size=1),
+        label="values",
+    )
+    x = np.array(data.draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000), label="seed"))
+    g = rng.integers(0, 3, n)
+    seq = rng.integers(0, 5, n)
+    mass = rng.random(n)
+    inv = rng.random(n)
+    xs = np.sort(x)[::-1]
+    means = [math.fsum(xs[m:]) / (n - m) for m in range(n)]
+    thr = np.unique(
+        np.r_[data.draw(st.lists(st.sampled_from(means), min_size=1, max_size=5)), 0.5, 1e-3]
+    )
+
+    def run(backend):
+        out = (np.zeros((3, thr.size + 2), np.int64), np.zeros((3, thr.size + 2)))
+        sf = np.zeros((3, thr.size + 2))
+        sb = np.full(5, -1, np.int64)
+        with kernels.use_backend(backend):
+            kernels.m2po_step_bins(x, g, mass, seq, inv, thr, 3, 5, out[0], out[1], sf, sb)
+        return out[0], out[1], sf, sb
+
+    ref = run("numpy")
+    if 1e-9 not in pool:  # dyadic values: every running sum is exact, so is the definition
+        for k, tau in enumerate(thr):  # rank m is masked iff mean(xs[m:]) >= tau
+            assert ref[0][:, k + 1 :].sum() == sum(1 for m in range(n) if means[m] >= tau)
+    if HAVE_NUMBA:
+        got = run("numba")
+        assert np.array_equal(got[0], ref[0])
+        assert np.allclose(got[1], ref[1], rtol=1e-12, atol=0)
+        assert np.allclose(got[2], ref[2], rtol=1e-12, atol=0)
+        assert np.array_equal(got[3], ref[3])
+
+
+def test_m2po_store_spills_to_disk_with_identical_results(tmp_path):
+    rng = np.random.default_rng(9)
+    df = random_log(rng, steps=4, seqs=8, max_len=30)
+    path = write_log(tmp_path / "log.parquet", df)
+    rules = ["m2po", "ipo"]
+    sweeps = {"m2po.tau": "0.0001:1:40:log"}
+    base = engine.replay([path], rules=rules, sweeps=sweeps, by="step")
+    assert base.m2po.spilled_tokens == 0
+    with env(MISMATCH_REPLAY_M2PO_MEMORY="0.0005"):  # ~500 bytes: spills every batch
+        spilled = engine.replay(
+            [path], rules=rules, sweeps=sweeps, by="step", options=io.ReadOptions(batch_rows=40)
+        )
+    assert 0 < spilled.m2po.spilled_tokens <= spilled.m2po.tokens == base.m2po.tokens
+    assert spilled.m2po.nbytes <= 40 * 28
+    keys = ("rule", "setting", "param", "value", "step")
+    assert_tables_equal(base.result().table, spilled.result().table, keys=keys)
+
+
+def test_m2po_store_memory_is_per_token_and_bounded():
+    store = engine.M2POStore(limit_bytes=10_000)
+    for i in range(20):
+        n = 300
+        store.add(np.full(n, i % 3), np.ones(n), np.ones(n), None, np.arange(n))
+        assert store.nbytes <= 10_000 + n * 24
+    assert store.tokens == 6000 and store.spilled_tokens > 0
+    x, _, g, seq = store.step(1)
+    assert x.shape == (7 * 300,) and not g.any()
+    assert np.array_equal(seq[:300], np.arange(300))  # input order kept across the spill
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def test_simple_path_forced_by_the_environment(tmp_path):
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(10)))
+    with env(MISMATCH_REPLAY_KERNEL="numpy"):
+        assert kernels.backend() == "numpy"
+        assert kernels.jit() is None
+        tally = engine.replay([path])
+        assert tally._fused is None and tally._fused_off
+    with env(MISMATCH_REPLAY_KERNEL="bogus"), pytest.raises(ValueError, match="KERNEL"):
+        kernels.backend()
+
+
+@needs_numba
+def test_fused_tally_pickles_and_merges(tmp_path):
+    """Ray ships Tallies between processes: a pickled Tally keeps its fused sums."""
+    import pickle
+
+    rng = np.random.default_rng(11)
+    df = random_log(rng, steps=2, seqs=6)
+    a = write_log(tmp_path / "a.parquet", df[: df.height // 2])
+    b = write_log(tmp_path / "b.parquet", df[df.height // 2 :])
+    ta = pickle.loads(pickle.dumps(engine.replay([a])))
+    tb = pickle.loads(pickle.dumps(engine.replay([b])))
+    both = engine.replay([a, b]).result()
+    assert_tables_equal((ta + tb).result().table, both.table)
