@@ -549,8 +549,8 @@ def m2po_step(
     tokens in input order. Adds into cnt/msum/sfrac[g, bin] and sets smax[seq] = max bin.
     Returns 1 if a score was NaN.
 
-    Rank m gets the mean of xs[m:] (a running sum over the step, from the largest down: the
-    formula tables.m2po_scores used, restarted at each step); its bin is bin_of(mean). Bins
+    Rank m gets the mean of xs[m:] (suffix sums accumulated from the smallest value up, as
+    tables.m2po_scores computes them, restarted at each step); its bin is bin_of(mean). Bins
     depend on the rank only, and change at a few ranks m_j (at most one per threshold when
     the means fall monotonically). A token of value v has a rank in the run of v's ties, so
     its bin is the level after the boundaries with xs[m_j] >= v (a binary search over the
@@ -559,22 +559,21 @@ def m2po_step(
     """
     n = xs.shape[0]
     brank = np.empty(n, np.int64)
-    total = 0.0
-    for m in range(n):
-        total += xs[m]
-    before = 0.0
+    # suffix sums accumulated from the smallest value up: no cancellation against the large
+    # values at the top of the step (a total minus a running prefix would lose the digits)
+    suf = np.empty(n)
+    acc = 0.0
+    for m in range(n - 1, -1, -1):
+        acc += xs[m]
+        suf[m] = acc
     nbd = 0
     for m in range(n):
-        rest = total - before
-        if rest < 0.0:
-            rest = 0.0
-        sc = rest / (n - m)
+        sc = suf[m] / (n - m)
         if sc != sc:
             return 1
         brank[m] = bin_incl(sc, k, thr, 0, lut, 0, nl, klo, khi, shift)
         if m > 0 and brank[m] != brank[m - 1]:
             nbd += 1
-        before += xs[m]
     bval = np.empty(nbd)  # xs at each boundary (non-increasing)
     btie = np.empty(nbd, np.bool_)  # the boundary splits a run of ties
     level = np.empty(nbd + 1, np.int64)

@@ -761,10 +761,8 @@ def m2po_step_bins(
         return
     order = np.argsort(-x, kind="stable")
     xs = x[order]
-    csum = np.cumsum(xs)
-    total = csum[-1]
-    before = np.concatenate([[0.0], csum[:-1]])
-    score = np.maximum(total - before, 0.0) / (n - np.arange(n))
+    suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
+    score = suffix / (n - np.arange(n))
     b = bin_scores(score, thr_sorted, True)
     width = k + 2
     gg = g[order]

@@ -23,6 +23,7 @@ import polars as pl
 
 from . import kernels
 from .engine import Job, Tally, _accumulate, _bins, _JobBins, _new_bins
+from .rules import LOG_CLAMP
 
 COLUMNS = (
     "rule",
@@ -101,9 +102,8 @@ def m2po_scores(tally: Tally) -> dict[str, np.ndarray]:
         n = x.shape[0]
         order = np.argsort(-x, kind="stable")
         xs = x[order]
-        csum = np.cumsum(xs)
-        before = np.concatenate([[0.0], csum[:-1]])
-        out["score"].append(np.maximum(csum[-1] - before, 0.0) / (n - np.arange(n)))
+        suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
+        out["score"].append(suffix / (n - np.arange(n)))
         out["g"].append(g[order])
         out["mass"].append(mass[order])
         out["seq"].append(seq[order])
@@ -235,7 +235,9 @@ def _weight_stats(bins: _JobBins, job: Job, inv: np.ndarray):
     """Mean, max and ESS fraction of the weights at every value (cap = the value)."""
     G, width = bins.count.shape
     K = width - 2
-    cap = job.values[job.order]  # the value at each sorted threshold position
+    # the value at each sorted threshold position; a truncated token's weight is the cap, but
+    # never beyond the clamped ratio's range [e^-20, e^20] (weights use exp(clip(l, -20, 20)))
+    cap = np.clip(job.values[job.order], np.exp(-LOG_CLAMP), np.exp(LOG_CLAMP))
     cnt = bins.count.astype(float)
     pre_sum = np.cumsum(bins.wsum, axis=1)  # bins 0..k untruncated natural weights
     pre_sq = np.cumsum(bins.wsq, axis=1)

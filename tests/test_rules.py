@@ -366,13 +366,6 @@ def test_m2po_step_counts_do_not_depend_on_other_steps():
     assert t["masked_tokens"].to_list() == [1, 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: m2po's suffix mean at rank m is (step total - running sum of the "
-    "larger ones) / (n - m); with one large l^2 in the step, the small suffixes lose their "
-    "digits to cancellation (here ~1e-4 relative), so tau a hair below a suffix mean stops "
-    "masking early. RULES.md: mask the largest while the mean l^2 of the rest is >= tau",
-)
 def test_m2po_suffix_means_have_no_cancellation():
     # one step: l = -300 (l^2 = 9e4) and two tokens with l = -1e-4 (l^2 = 1e-8). Suffix means:
     # 3e4, 1e-8, 1e-8, all >= tau = 0.9999e-8 (not a tie: 1e-4 relative below), so all three
@@ -387,11 +380,6 @@ def test_m2po_suffix_means_have_no_cancellation():
 # ----------------------------------------------------------------------------- weight clamp
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug (edge): a truncated token's weight is the cap even when the cap exceeds "
-    "the clamped ratio exp(20); weights are min(exp(clip(l, -20, 20)), cap)",
-)
 def test_tis_weight_uses_the_clamped_ratio_above_exp20():
     # l = 25: the clamped ratio is e^20 (4.85e8); at cap 1e10 the weight is e^20, not 1e10
     df = canonical_log([0.0, -0.5], [-25.0, -0.5], step=0, sample_id=[0, 1])
