@@ -318,32 +318,38 @@ def _choice_row(job, value, frac, target, lo, hi, status, note, tokens, passes) 
     }
 
 
-def _ci_fraction(tally, ji, level: float = 0.95):
+def _boot_fractions(tally, ji):
+    """(B', K) bootstrap masked fractions of job ji over replicates with tokens, or a note."""
     res = tables.boot_counts(tally, ji)
     if res is None:
-        return None, None, _no_boot_note(tally, ji)
+        return None, _no_boot_note(tally, ji)
     counts, tokens = res
     ok = tokens > 0
     if ok.sum() < 2:
-        return None, None, "too few units to resample"
-    f = counts[ok, 0] / tokens[ok]
+        return None, "too few units to resample"
+    return counts[ok] / tokens[ok, None], ""
+
+
+def _interval(x: np.ndarray, level: float) -> tuple[float, float]:
     q = (1 - level) / 2
-    return float(np.quantile(f, q)), float(np.quantile(f, 1 - q)), ""
+    return float(np.quantile(x, q)), float(np.quantile(x, 1 - q))
+
+
+def _ci_fraction(tally, ji, level: float = 0.95):
+    """Interval of the masked fraction at a single setting."""
+    f, note = _boot_fractions(tally, ji)
+    if f is None:
+        return None, None, note
+    return (*_interval(f[:, 0], level), "")
 
 
 def _ci_value(tally, ji, target, span, level: float = 0.95):
-    res = tables.boot_counts(tally, ji)
-    if res is None:
-        return None, None, _no_boot_note(tally, ji)
-    counts, tokens = res
-    ok = tokens > 0
-    if ok.sum() < 2:
-        return None, None, "too few units to resample"
+    """Interval of the value whose masked fraction is closest to the target."""
+    f, note = _boot_fractions(tally, ji)
+    if f is None:
+        return None, None, note
     values = tally.jobs[ji].values
-    f = counts[ok] / tokens[ok, None]
-    pick = values[np.argmin(np.abs(f - target), axis=1)]
-    q = (1 - level) / 2
-    lo, hi = float(np.quantile(pick, q)), float(np.quantile(pick, 1 - q))
+    lo, hi = _interval(values[np.argmin(np.abs(f - target), axis=1)], level)
     note = ""
     if lo <= values[0] or hi >= values[-1]:
         note = "bootstrap interval reaches the searched range's edge"
