@@ -253,7 +253,7 @@ def choose(
             s.add(values, hits)
             s.passes += 1
     # 3. bootstrap on a grid spanning the coarse bracket, widened
-    bjobs, spans = [], []
+    bjobs = []
     for s, c in zip(searches, coarse, strict=True):
         base = s.job.values
         if c[3] is not None:
@@ -266,7 +266,6 @@ def choose(
         best = s.state(target_fraction, tol)[0]
         grid = np.unique(np.r_[_grid_between(lo, hi, BOOT_POINTS), best])
         bjobs.append(engine.Job(s.job.rule, s.job.param, grid))
-        spans.append((lo, hi))
     bt = None
     if bootstrap:
         bt = engine.replay(plan, jobs=bjobs, bootstrap=(bootstrap, unit, seed), progress=progress)
@@ -277,7 +276,7 @@ def choose(
         status, _, note = status.partition(": ")
         lo = hi = None
         if bt is not None and status != "out of range":
-            lo, hi, boot_note = _ci_value(bt, i, target_fraction, spans[i])
+            lo, hi, boot_note = _ci_value(bt, i, target_fraction)
             note = "; ".join(x for x in (note, boot_note) if x)
         hits = round(frac * s.tokens)
         row = _choice_row(
@@ -343,7 +342,7 @@ def _ci_fraction(tally, ji, level: float = 0.95):
     return (*_interval(f[:, 0], level), "")
 
 
-def _ci_value(tally, ji, target, span, level: float = 0.95):
+def _ci_value(tally, ji, target, level: float = 0.95):
     """Interval of the value whose masked fraction is closest to the target."""
     f, note = _boot_fractions(tally, ji)
     if f is None:
