@@ -1,9 +1,11 @@
 """The numba side of `kernels`: one fused loop over the tokens of a batch (see kernels.py).
 
 Imported only when numba is installed and the fused path is on; nothing else imports it.
-Every score is computed with the same float64 operations, in the same order, as the rule's
-numpy `score()` in rules.py (the same libm exp/expm1/log calls, no fast-math, no contraction),
-so the fused path bins bit-identical scores; tests/test_kernels.py checks it on random logs.
+Every coordinate (|dp| signed, l, the binary KLs) is computed with the same float64
+operations, in the same order, as rules.py computes it (the same libm exp/expm1/log calls,
+no fast-math, no contraction), so the kernel bins bit-identical values; which interval of a
+coordinate means which bin for which rule is decided in kernels.py, in numpy, with the rules'
+own comparisons. tests/test_kernels.py checks both paths agree on random logs.
 """
 
 from __future__ import annotations
@@ -15,45 +17,14 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ._vmath import vexp, vexpm1, vlog
+
 INF = math.inf
 
-# score ops (kernels.OPS gives their names); keep in sync with kernels.compile_job
-OP_ABS_DP = 0
-OP_IPOV1_HIGH = 1
-OP_IPOV1_LOW = 2
-OP_BAND_HIGH = 3
-OP_BAND_LOW = 4
-OP_KPOP = 5
-OP_K2 = 6
-OP_K3 = 7
-OP_DPPOTV_HIGH = 8
-OP_DPPOTV_LOW = 9
-OP_DPPOKL_HIGH = 10
-OP_DPPOKL_LOW = 11
-OP_PPO_HIGH = 12
-OP_PPO_LOW = 13
-OP_PPO_C = 14
-OP_L = 15
-# base quantities (kernels.BASES gives their names)
-B_ADP = 0
-B_DP = 1
-B_NEG_DP = 2
-B_L = 3
-B_NEG_L = 4
-B_R = 5
-B_NEG_R = 6
-B_K2 = 7
-B_K3 = 8
-B_KPOP = 9
-B_BKL_QP = 10
-# weight ops
-W_NONE = 0
-W_RCLAMP = 1
-W_CISPO_HIGH = 2
-W_CISPO_LOW = 3
-
 # flags
-F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO = range(7)
+F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO, F_W = range(8)
+# coordinates (kernels.COORDS gives their names)
+C_DP, C_L, C_KPOP, C_BKL_QP = range(4)
 
 
 @intrinsic
@@ -126,6 +97,31 @@ def bin_incl(s, k, thr, t0, lut, l0, nl, klo, khi, shift):
     return np.uint64(k) + _U1 if s == INF else b
 
 
+@njit(inline="always")
+def bin_coord(s, k, thr, t0, lut, l0, nl, klo, khi, shift, tiny, nz, gap, kpos):
+    """bin_incl on compact keys (kernels.make_coord_binner): |s| <= tiny is bin nz."""
+    kk = key(s)
+    kk = kk - gap if kk >= kpos else kk
+    idx = ((kk - klo) >> shift) + _U1
+    idx = idx if kk <= khi else np.uint64(nl) + _U1
+    idx = idx if kk >= klo else _U0
+    p = np.uint64(l0) + idx
+    b = np.uint64(lut[p])
+    e = np.uint64(lut[p + _U1])
+    t = np.uint64(t0)
+    # two steps without branches (a bucket holds 0-2 edges almost always: a loop's exit
+    # would be mispredicted on every other token), then a loop for fuller buckets
+    last = e - _U1 if e > _U0 else _U0
+    j = b if b < last else last
+    b += _U1 if (b < e) & (s >= thr[t + j]) else _U0
+    j = b if b < last else last
+    b += _U1 if (b < e) & (s >= thr[t + j]) else _U0
+    while b < e and s >= thr[t + b]:
+        b += _U1
+    b = np.uint64(k) + _U1 if s == INF else b
+    return nz if abs(s) <= tiny else b
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def bin_array(score, k, thr, incl, lut, nl, klo, khi, shift, out):
     """bin_of over an array (sequence rules, m2po). Returns 1 if a score was NaN."""
@@ -143,13 +139,24 @@ def bin_array(score, k, thr, incl, lut, nl, klo, khi, shift, out):
 BLOCK = 512  # tokens per block: the block's derived arrays stay in L1/L2
 
 
+ERR_REL = 1e-13  # kernels.ERR_REL (maxima: a candidate this close to the max is recomputed)
+ERR_ABS = 1e-300
+
+
+@njit(inline="always")
+def _near_edge(f):
+    """f within 1e-9 of an integer (a scatter bin edge)."""
+    d = f - math.floor(f)
+    return (d < 1e-9) | (d > 1.0 - 1e-9)
+
+
 @njit(inline="always")
 def _flat(a):
     return a.reshape(a.size)
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
-def token_pass(
+@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
+def coord_pass(
     lo,
     hi,
     lp,
@@ -160,24 +167,25 @@ def token_pass(
     invn,
     ent,
     flags,
-    op,
-    wop,
-    cix,
-    fp,
-    kk,
-    base,
-    off,
-    woff,
-    bop,
-    bcix,
-    bk,
-    bt0,
-    bl0,
-    bnl,
-    bklo,
-    bkhi,
-    bshift,
-    thr,
+    ckind,
+    ccix,
+    cma,
+    cml,
+    ck,
+    ct0,
+    cl0,
+    cnl,
+    cklo,
+    ckhi,
+    cshift,
+    ctiny,
+    cnz,
+    cgap,
+    ckpos,
+    choff,
+    cm1,
+    csoff,
+    edges,
     lut,
     clamps,
     consts,
@@ -187,7 +195,10 @@ def token_pass(
     wsum,
     wsq,
     wmax,
-    smax,
+    smn,
+    smx,
+    tflag,
+    nflag,
     msum,
     mmax,
     hlin,
@@ -199,14 +210,15 @@ def token_pass(
     m2x,
     m2m,
 ):
-    """Tokens lo..hi-1 of a batch: every compiled job, metrics, scatter, sequence sums.
+    """Tokens lo..hi-1 of a batch: every coordinate's intervals, metrics, scatter, sums.
 
-    Block by block: first one loop derives every shared quantity of the block's tokens
-    (and adds metrics and sequence sums); then, job by job, a tight loop makes the job's
-    scores from them and another bins them and adds count and mass. Job-major blocks keep
-    each job's table, thresholds and sums hot in L1 and its loops free of branches on the
-    rule; 2-D accumulators are used flat with unsigned indices. Accumulates into this
-    thread's arrays; returns 1 if a score was NaN (a bug), else 0.
+    Block by block: one loop derives every per-token quantity of the block (and adds the
+    metrics and the sequence sums); then, coordinate by coordinate, a tight loop bins the
+    coordinate on its edges (a table lookup and a comparison or two) and adds the token to
+    its (group, class, interval) sums and to its sequence's lowest and highest interval per
+    class. A token inside a window is not added: its bit in tflag is set (the caller runs
+    it on the simple path) and nflag[c] counts it. 2-D accumulators are used flat with
+    unsigned indices. Returns 1 if a coordinate was NaN (a bug), else 0.
     consts: [LOG_CLAMP, scatter lin lo, lin width, log lo, log width, ln 10, bins].
     clamps: (C, 4) rows of [c, log(c), log1p(-c), 1 - c].
     """
@@ -217,22 +229,22 @@ def token_pass(
     do_metrics = flags[F_METRICS] != 0
     do_scatter = flags[F_SCATTER] != 0
     do_m2po = flags[F_M2PO] != 0
-    njobs = op.shape[0]
-    nbase = bop.shape[0]
+    do_w = flags[F_W] != 0
+    ncoord = ckind.shape[0]
     nclamp = clamps.shape[0]
     clampv = consts[0]
     lin_lo, lin_w, log_lo, log_w, ln10 = consts[1], consts[2], consts[3], consts[4], consts[5]
     nbins = np.int64(consts[6])
-    W = np.uint64(cnt.shape[1])
-    WW = np.uint64(wsum.shape[1])
-    NU = np.uint64(smax.shape[1])
+    HW = np.uint64(cnt.shape[1])
+    SW = np.uint64(smn.shape[1])
     cntf = _flat(cnt)
     massf = _flat(mass)
     sfracf = _flat(sfrac)
     wsumf = _flat(wsum)
     wsqf = _flat(wsq)
     wmaxf = _flat(wmax)
-    smaxf = _flat(smax)
+    smnf = _flat(smn)
+    smxf = _flat(smx)
     msumf = _flat(msum)
     mmaxf = _flat(mmax)
     sqf = _flat(sq_sum)
@@ -240,18 +252,16 @@ def token_pass(
     b_l = np.empty(B)
     b_adp = np.empty(B)
     b_dp = np.empty(B)
-    b_k2 = np.empty(B)
-    b_k3 = np.empty(B)
-    b_r = np.empty(B)
     b_rc = np.empty(B)
-    b_a = np.zeros(B)
-    b_gw = np.empty(B, np.uint64)  # group * W
-    b_g = np.empty(B, np.uint64)
+    b_cls = np.zeros(B, np.uint64)  # advantage class: 0 a == 0, 1 a > 0, 2 a < 0
+    b_lc = np.zeros(B, np.uint64)  # the same for l
+    b_gw = np.empty(B, np.uint64)  # group * HW
+    b_so = np.zeros(B, np.uint64)  # sequence * SW
     b_pq = np.empty((max(nclamp, 1), B))
     b_qp = np.empty((max(nclamp, 1), B))
+    b_k3c = np.empty(B)
+    b_eabs = np.empty(B)
     sc = np.empty(B)
-    bins = np.empty(B, np.uint64)
-    bbins = np.empty(max(nbase, 1) * B, np.uint64)
     b_p = np.empty(B)
     b_q = np.empty(B)
     sx = np.empty(B)
@@ -261,59 +271,71 @@ def token_pass(
     bad = False
     for start in range(lo, hi, B):
         nb = min(B, hi - start)
-        # ---- shared quantities, metrics, sequences, m2po
+        # ---- per-token quantities: call-free exp/expm1/log (_vmath), so these loops run
+        # four tokens at a time (a few ulps off the C library: the windows of |dp| and the
+        # binary KLs are wide enough for that, kernels.critical_points)
         for t in range(nb):
             i = start + t
             lpi = lp[i]
             lqi = lq[i]
-            gi = g[i]
             l = lpi - lqi  # noqa: E741
-            p = math.exp(lpi)
-            q = math.exp(lqi)
-            # |dp| = exp(max) * -expm1(min - max), as TokenBatch.abs_dp
-            ge = lpi >= lqi
-            adp = (p if ge else q) * -math.expm1((lqi - lpi) if ge else (lpi - lqi))
-            k2 = 0.5 * l * l
-            k3 = math.expm1(l) - l
-            r = math.exp(l)
+            p = vexp(lpi)
+            q = vexp(lqi)
+            al = abs(l)
+            adp = (p if lpi >= lqi else q) * -vexpm1(-al)
             lc = min(max(l, -clampv), clampv)
-            if lc == l:
-                rc = r
-                k3c = k3
-            else:
-                rc = math.exp(lc)
-                k3c = math.expm1(lc) - lc
             b_l[t] = l
+            b_p[t] = p
+            b_q[t] = q
             b_adp[t] = adp
             b_dp[t] = math.copysign(adp, l)
-            b_k2[t] = k2
-            b_k3[t] = k3
-            b_r[t] = r
+            rc = vexp(lc)
             b_rc[t] = rc
-            b_g[t] = np.uint64(gi)
-            b_gw[t] = np.uint64(gi) * W
+            b_k3c[t] = vexpm1(lc) - lc
+            b_eabs[t] = rc if l >= 0 else 1.0 / rc  # exp(|l|) (|l| > 20: loop below)
+        for c in range(nclamp):
+            cv = clamps[c, 0]
+            clo = clamps[c, 1]
+            chi = clamps[c, 2]
+            c1 = clamps[c, 3]
+            for t in range(nb):
+                i = start + t
+                la = min(max(lp[i], clo), chi)
+                lb = min(max(lq[i], clo), chi)
+                ea = vexp(la)
+                eb = vexp(lb)
+                ca = min(max(-vexpm1(la), cv), c1)
+                cb = min(max(-vexpm1(lb), cv), c1)
+                lca = vlog(ca)
+                lcb = vlog(cb)
+                d = la - lb
+                t1 = ea * d
+                t2 = eb * -d
+                pq = t1 + ca * (lca - lcb)
+                qp = t2 + cb * (lcb - lca)
+                b_pq[c, t] = pq
+                b_qp[c, t] = qp
+        # ---- metrics, sequences, m2po (one token at a time: they add into group and
+        # sequence rows)
+        for t in range(nb):
+            i = start + t
+            gi = g[i]
+            l = b_l[t]  # noqa: E741
+            b_gw[t] = np.uint64(gi) * HW
+            b_lc[t] = np.uint64(1) if l > 0 else (np.uint64(2) if l < 0 else _U0)
             if has_adv:
-                b_a[t] = adv[i]
-            for c in range(nclamp):
-                cv = clamps[c, 0]
-                clo = clamps[c, 1]
-                chi = clamps[c, 2]
-                c1 = clamps[c, 3]
-                la = min(max(lpi, clo), chi)
-                lb = min(max(lqi, clo), chi)
-                ea = p if la == lpi else math.exp(la)
-                eb = q if lb == lqi else math.exp(lb)
-                ca = min(max(-math.expm1(la), cv), c1)
-                cb = min(max(-math.expm1(lb), cv), c1)
-                lca = math.log(ca)
-                lcb = math.log(cb)
-                b_pq[c, t] = ea * (la - lb) + ca * (lca - lcb)
-                b_qp[c, t] = eb * (lb - la) + cb * (lcb - lca)
+                a = adv[i]
+                b_cls[t] = np.uint64(1) if a > 0 else (np.uint64(2) if a < 0 else _U0)
+            adp = b_adp[t]
             if do_metrics:
+                p = b_p[t]
+                q = b_q[t]
+                k3c = b_k3c[t]
+                rc = b_rc[t]
                 mo = np.uint64(gi) * np.uint64(15)
                 msumf[mo] += 1.0
                 msumf[mo + np.uint64(1)] += -l
-                msumf[mo + np.uint64(2)] += k2
+                msumf[mo + np.uint64(2)] += 0.5 * l * l
                 msumf[mo + np.uint64(3)] += k3c
                 msumf[mo + np.uint64(4)] += k3c * k3c
                 msumf[mo + np.uint64(5)] += adp
@@ -329,23 +351,41 @@ def token_pass(
                     if math.isfinite(e):
                         msumf[mo + np.uint64(13)] += e
                         msumf[mo + np.uint64(14)] += 1.0
+                # maxima are reported as they are: a candidate within the error bound of
+                # the current max is recomputed with the C library (rarely)
                 xo = np.uint64(gi) * np.uint64(2)
-                mmaxf[xo] = max(mmaxf[xo], k3c)
-                mmaxf[xo + _U1] = max(mmaxf[xo + _U1], adp)
-            if do_scatter:
-                b_p[t] = p
-                b_q[t] = q
+                cur = mmaxf[xo]
+                if k3c >= cur - (ERR_REL * abs(cur) + ERR_ABS):
+                    lpi = lp[i]
+                    lqi = lq[i]
+                    lc = min(max(lpi - lqi, -clampv), clampv)
+                    mmaxf[xo] = max(cur, math.expm1(lc) - lc)
+                cur = mmaxf[xo + _U1]
+                if adp >= cur - (ERR_REL * abs(cur) + ERR_ABS):
+                    lpi = lp[i]
+                    lqi = lq[i]
+                    ge = lpi >= lqi
+                    ex = math.exp(lpi if ge else lqi)
+                    ex = ex * -math.expm1((lqi - lpi) if ge else (lpi - lqi))
+                    mmaxf[xo + _U1] = max(cur, ex)
             if has_seq:
                 so = np.uint64(sl[i])
+                b_so[t] = so * SW
                 sq = so * np.uint64(6)
                 sqf[sq] += 1.0
                 sqf[sq + np.uint64(1)] += l
+                if abs(l) <= clampv:
+                    k3 = b_k3c[t]
+                    eabs = b_eabs[t]
+                else:  # beyond the clamp: unclamped k3 and exp(|l|) (rare)
+                    k3 = math.expm1(l) - l
+                    eabs = math.exp(abs(l))
                 sqf[sq + np.uint64(2)] += k3
-                sqf[sq + np.uint64(3)] += r if l >= 0 else math.exp(-l)
+                sqf[sq + np.uint64(3)] += eabs
                 sqf[sq + np.uint64(4)] += adp
                 if has_adv:
                     sqf[sq + np.uint64(5)] += adv[i]
-                sq_mx[so] = max(sq_mx[so], k2)
+                sq_mx[so] = max(sq_mx[so], 0.5 * l * l)
                 sq_mn[so] = min(sq_mn[so], l)
                 if sq_first[so] < 0:
                     sq_first[so] = gi
@@ -360,170 +400,95 @@ def token_pass(
                 ty[t] = (lp[start + t] / ln10 - log_lo) / log_w
             top = nbins - 1
             for t in range(nb):
-                ix = min(max(np.int64(math.floor(sx[t])), 0), top)
-                iy = min(max(np.int64(math.floor(sy[t])), 0), top)
+                fx = sx[t]
+                fy = sy[t]
+                # p and q are within a few ulps: near a bin edge, the C library decides
+                if _near_edge(fx) or _near_edge(fy):
+                    fx = (math.exp(lq[start + t]) - lin_lo) / lin_w
+                    fy = (math.exp(lp[start + t]) - lin_lo) / lin_w
+                ix = min(max(np.int64(math.floor(fx)), 0), top)
+                iy = min(max(np.int64(math.floor(fy)), 0), top)
                 hlin[np.uint64(ix * nbins + iy)] += 1
                 jx = min(max(np.int64(math.floor(tx[t])), 0), top)
                 jy = min(max(np.int64(math.floor(ty[t])), 0), top)
                 hlog[np.uint64(jx * nbins + jy)] += 1
-        # ---- bases: the quantities jobs bin (|dp|, dp, -dp, l, -l, r, -r, k2, k3, binary
-        # KLs), each binned once per grid; a job's own conditions only move tokens to bin 0
-        # (score -inf) or K + 1 (score +inf), so jobs that differ only there share the bins.
-        for u in range(nbase):
-            bo = bop[u]
-            c = bcix[u]
-            if bo == B_ADP:
-                for t in range(nb):
-                    sc[t] = b_adp[t]
-            elif bo == B_DP:
+        # ---- coordinates: dp, l, a binary KL per clamp; each binned once on its edges
+        for c in range(ncoord):
+            kind = ckind[c]
+            ci = ccix[c]
+            if kind == C_DP:
                 for t in range(nb):
                     sc[t] = b_dp[t]
-            elif bo == B_NEG_DP:
-                for t in range(nb):
-                    sc[t] = -b_dp[t]
-            elif bo == B_L:
+            elif kind == C_L:
                 for t in range(nb):
                     sc[t] = b_l[t]
-            elif bo == B_NEG_L:
+            elif kind == C_KPOP:
                 for t in range(nb):
-                    sc[t] = -b_l[t]
-            elif bo == B_R:
-                for t in range(nb):
-                    sc[t] = b_r[t]
-            elif bo == B_NEG_R:
-                for t in range(nb):
-                    sc[t] = -b_r[t]
-            elif bo == B_K2:
-                for t in range(nb):
-                    sc[t] = b_k2[t]
-            elif bo == B_K3:
-                for t in range(nb):
-                    sc[t] = b_k3[t]
-            elif bo == B_KPOP:
-                for t in range(nb):
-                    x1 = b_pq[c, t]
-                    x2 = b_qp[c, t]
+                    x1 = b_pq[ci, t]
+                    x2 = b_qp[ci, t]
                     sc[t] = x1 if x1 >= x2 else x2
-            else:  # B_BKL_QP
+            else:  # C_BKL_QP
                 for t in range(nb):
-                    sc[t] = b_qp[c, t]
-            kj = bk[u]
-            tj = bt0[u]
-            lj = bl0[u]
-            nlj = bnl[u]
-            klj = bklo[u]
-            khj = bkhi[u]
-            shj = bshift[u]
-            row = np.uint64(u) * np.uint64(B)
+                    sc[t] = b_qp[ci, t]
+            kj = ck[c]
+            tj = ct0[c]
+            lj = cl0[c]
+            nlj = cnl[c]
+            klj = cklo[c]
+            khj = ckhi[c]
+            shj = cshift[c]
+            tyj = ctiny[c]
+            nzj = cnz[c]
+            gpj = cgap[c]
+            kpj = ckpos[c]
+            ho = choff[c]
+            m1 = cm1[c]
+            ma = cma[c]
+            ml = cml[c]
+            so0 = csoff[c]
+            bit = np.uint32(1) << np.uint32(c)
+            wt = do_w and kind == C_L
+            nf = 0
+            # a sequence's lowest and highest interval are kept in registers along its run
+            cur = ~_U0
+            cmin = np.int64(0)
+            cmax = np.int64(0)
             for t in range(nb):
                 x = sc[t]
                 bad |= x != x
-                bbins[row + np.uint64(t)] = bin_of(x, kj, thr, tj, lut, lj, nlj, klj, khj, shj)
-        # ---- jobs: each base bin, moved by the job's conditions, then the sums
-        for j in range(njobs):
-            o = op[j]
-            f0 = fp[j, 0]
-            f1 = fp[j, 1]
-            f2 = fp[j, 2]
-            f3 = fp[j, 3]
-            row = np.uint64(base[j]) * np.uint64(B)
-            k1 = np.uint64(kk[j]) + _U1  # the bin of +inf
-            if o == OP_IPOV1_HIGH:
-                for t in range(nb):
-                    bb = bbins[row + np.uint64(t)]
-                    bins[t] = k1 if b_dp[t] < -f0 else bb
-            elif o == OP_IPOV1_LOW:
-                for t in range(nb):
-                    bb = bbins[row + np.uint64(t)]
-                    bins[t] = k1 if b_dp[t] > f0 else bb
-            elif o == OP_BAND_HIGH:
-                for t in range(nb):
-                    bb = bbins[row + np.uint64(t)]
-                    bins[t] = k1 if b_l[t] < f0 else bb
-            elif o == OP_BAND_LOW:
-                for t in range(nb):
-                    bb = bbins[row + np.uint64(t)]
-                    bins[t] = k1 if b_l[t] > f0 else bb
-            elif o == OP_DPPOTV_HIGH:
-                for t in range(nb):
-                    a = b_a[t]
-                    bb = bbins[row + np.uint64(t)] if a > 0 else _U0
-                    bins[t] = k1 if (a <= 0) & (b_dp[t] < -f0) else bb
-            elif o == OP_DPPOTV_LOW:
-                for t in range(nb):
-                    a = b_a[t]
-                    bb = bbins[row + np.uint64(t)] if a <= 0 else _U0
-                    bins[t] = k1 if (a > 0) & (b_dp[t] > f0) else bb
-            elif OP_DPPOKL_HIGH <= o <= OP_DPPOKL_LOW:  # consecutive ops
-                c = cix[j]
-                hi_side = o == OP_DPPOKL_HIGH
-                for t in range(nb):
-                    a = b_a[t]
-                    x = b_l[t]
-                    up = (a > 0) & (x > 0)
-                    down = (a < 0) & (x < 0)
-                    valid = up if hi_side else down
-                    other = down if hi_side else up
-                    bb = bbins[row + np.uint64(t)] if valid else _U0
-                    bins[t] = k1 if other & (b_qp[c, t] > f0) else bb
-            elif OP_PPO_HIGH <= o <= OP_PPO_C:  # the three ppo ops are consecutive
-                # fp: [1 + eps_high, 1 - eps_low, c, has_c]
-                for t in range(nb):
-                    a = b_a[t]
-                    r = b_r[t]
-                    up = (a > 0) & (r > f0)
-                    down = (a < 0) & (r < f1)
-                    extra = (f3 != 0) & (a < 0) & (r > f2)
-                    if o == OP_PPO_HIGH:
-                        valid = a > 0
-                        inf = down | extra
-                    elif o == OP_PPO_LOW:
-                        valid = a < 0
-                        inf = up | extra
-                    else:
-                        valid = a < 0
-                        inf = up | down
-                    bb = bbins[row + np.uint64(t)] if valid else _U0
-                    bins[t] = k1 if inf else bb
-            else:  # abs_dp, kpop, k2, k3, l: the base's bins as they are
-                for t in range(nb):
-                    bins[t] = bbins[row + np.uint64(t)]
-            oj = np.uint64(off[j])
-            for t in range(nb):
-                col = b_gw[t] + oj + bins[t]
-                cntf[col] += 1
-                massf[col] += b_adp[t]
-            if has_invn:
-                for t in range(nb):
-                    sfracf[b_gw[t] + oj + bins[t]] += invn[start + t]
-            if has_seq:  # sequences are runs of tokens: keep the run's max in a register
-                ju = np.uint64(j)
-                cur = np.uint64(sl[start])
-                mx = np.uint64(smaxf[cur * NU + ju])
-                for t in range(nb):
-                    si = np.uint64(sl[start + t])
-                    if si != cur:
-                        smaxf[cur * NU + ju] = mx
-                        cur = si
-                        mx = np.uint64(smaxf[cur * NU + ju])
-                    mx = max(mx, bins[t])
-                smaxf[cur * NU + ju] = mx
-            w_op = wop[j]
-            if w_op != W_NONE:
-                wo = np.uint64(woff[j])
-                for t in range(nb):
+                b = bin_coord(x, kj, edges, tj, lut, lj, nlj, klj, khj, shj, tyj, nzj, gpj, kpj)
+                if b & _U1:  # inside a window: the simple path decides
+                    tflag[start + t] |= bit
+                    nf += 1
+                    continue
+                m = b >> _U1
+                cls = b_cls[t] * ma + b_lc[t] * ml
+                h = b_gw[t] + ho + cls * m1 + m
+                cntf[h] += 1
+                massf[h] += b_adp[t]
+                if has_invn:
+                    sfracf[h] += invn[start + t]
+                if wt:
                     rc = b_rc[t]
-                    x = b_l[t]
-                    if w_op == W_RCLAMP:
-                        w = rc
-                    elif w_op == W_CISPO_HIGH:
-                        w = f1 if x < f0 else rc
-                    else:
-                        w = f1 if x > f0 else rc
-                    wc = b_g[t] * WW + wo + bins[t]
-                    wsumf[wc] += w
-                    wsqf[wc] += w * w
-                    wmaxf[wc] = max(wmaxf[wc], w)
+                    wsumf[h] += rc
+                    wsqf[h] += rc * rc
+                    wmaxf[h] = max(wmaxf[h], rc)
+                if has_seq:
+                    so = b_so[t] + so0 + cls
+                    if so != cur:
+                        if cur != ~_U0:
+                            smnf[cur] = cmin
+                            smxf[cur] = cmax
+                        cur = so
+                        cmin = smnf[so]
+                        cmax = smxf[so]
+                    mi = np.int64(m)
+                    cmin = min(cmin, mi)
+                    cmax = max(cmax, mi)
+            if cur != ~_U0:
+                smnf[cur] = cmin
+                smxf[cur] = cmax
+            nflag[c] += nf
     return 1 if bad else 0
 
 
@@ -639,3 +604,26 @@ def m2po_step(
         if bi > smax[seq[i]]:
             smax[seq[i]] = bi
     return 0
+
+
+@njit(nogil=True, cache=True)
+def seq_runs(step, sid, run):
+    """Runs of equal (step, sample_id): run[i] = the run of token i; returns the runs'
+    first token indices."""
+    n = step.shape[0]
+    starts = np.empty(n, np.int64)
+    r = -1
+    for i in range(n):
+        if i == 0 or step[i] != step[i - 1] or sid[i] != sid[i - 1]:
+            r += 1
+            starts[r] = i
+        run[i] = r
+    return starts[: r + 1]
+
+
+@njit(nogil=True, cache=True)
+def take_runs(run, a, b, out_a, out_b):
+    """out_a[i] = a[run[i]], out_b[i] = b[run[i]] (each token's sequence ids, GIL free)."""
+    for i in range(run.shape[0]):
+        out_a[i] = a[run[i]]
+        out_b[i] = b[run[i]]

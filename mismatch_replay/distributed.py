@@ -5,10 +5,13 @@ Design
 A Tally is a sum (counts, masses, metric sums, histograms), a max or a min per bin, group and
 sequence, so the Tally of a log is the sum of its shards' Tallies, whatever the split
 (engine.Tally.__add__). The driver plans the read once (schemas only), sends one task per
-file -- the plan narrowed to that file, the jobs, the columns -- and each task streams its
-file through the same `engine.shard_tally` the local engine runs, fused kernel included
-(one thread per task: Ray gives each task one CPU). Shard Tallies come back through the
-object store and are added in file order, which is also what makes them identical to the
+shard -- the plan narrowed to one file, or for Parquet to a run of a file's row groups (about
+two tasks per CPU of the cluster, so one large file spreads too), the jobs, the columns --
+and each task streams its shard through the same `engine.shard_tally` the local engine runs,
+fused kernel included (one thread per task: Ray gives each task one CPU). Object-store URIs
+(s3://, gs://, ...) travel in the plan and each task opens its files through pyarrow.fs.
+Shard Tallies come back through the object store and are added in input order, which is
+also what makes them identical to the
 local engine's: sequence ids and groups are numbered in order of appearance, a sequence's
 group is its first token's, and m2po breaks ties by input order.
 
@@ -27,6 +30,7 @@ else imports this module.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -61,26 +65,38 @@ def init(address: str | None = None, **kwargs) -> None:
         )
 
 
-def shards(plan: io.Plan) -> list[tuple[io.Plan, int | None]]:
-    """One (plan, sample-id offset) per file of the plan."""
+def shards(plan: io.Plan, per_file: int = 1) -> list[tuple[io.Plan, int | None]]:
+    """(plan, sample-id offset) per shard: each file, or for Parquet up to `per_file`
+    contiguous runs of row groups of each file (a single large file still spreads over the
+    cluster). Shards are in input order, which the merge keeps."""
     synthesised = bool(plan.list_columns) and "sample_id" not in plan.source
     out = []
     offset = 0
     for i, path in enumerate(plan.files):
-        part = dataclasses.replace(
-            plan,
-            files=(path,),
-            rows=(plan.rows[i],),
-            file_steps=(plan.file_steps[i],) if i < len(plan.file_steps) else (),
-        )
-        if not synthesised:
-            base = None
-        elif plan.format == "parquet":  # exact row counts: the local engine's numbering
-            base = offset
-        else:
-            base = i * _ID_BASE
-        out.append((part, base))
-        offset += plan.rows[i]
+        step = (plan.file_steps[i],) if i < len(plan.file_steps) else ()
+        pieces: list[tuple[tuple[int, int] | None, int]] = [(None, plan.rows[i])]
+        if plan.format == "parquet" and per_file > 1:
+            sizes = io.row_group_rows(path)
+            k = min(per_file, len(sizes))
+            if k > 1:
+                cuts = [j * len(sizes) // k for j in range(k + 1)]
+                pieces = [((a, b), sum(sizes[a:b])) for a, b in itertools.pairwise(cuts)]
+        for groups, rows in pieces:
+            part = dataclasses.replace(
+                plan,
+                files=(path,),
+                rows=(rows,),
+                file_steps=step,
+                row_groups=(groups,),
+            )
+            if not synthesised:
+                base = None
+            elif plan.format == "parquet":  # exact row counts: the local engine's numbering
+                base = offset
+            else:
+                base = i * _ID_BASE
+            out.append((part, base))
+            offset += rows
     return out
 
 
@@ -96,16 +112,19 @@ def replay(
     address: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Tally:
-    """The Tally of `plan` for `jobs`, one Ray task per file, merged in file order."""
+    """The Tally of `plan` for `jobs`, one Ray task per shard, merged in input order."""
     ray = _ray()
     init(address)
     cols = columns_needed(jobs, by, plan.columns)
     has_seq, has_adv = "sample_id" in cols, "advantage" in cols
     remote = ray.remote(num_cpus=1)(_task)
     jobs_ref = ray.put(list(jobs))
+    # two tasks per CPU (so that uneven shards balance); large files split by row groups
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    per_file = max(1, -(-2 * cpus // max(1, len(plan.files))))
     refs = [
         remote.remote(part, jobs_ref, by, cols, has_seq, has_adv, offset)
-        for part, offset in shards(plan)
+        for part, offset in shards(plan, per_file)
     ]
     total = sum(plan.rows)
     tally = Tally(list(jobs), by, has_seq=has_seq, has_adv=has_adv)

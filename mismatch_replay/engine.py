@@ -546,6 +546,7 @@ class Tally:
         self._gidx = {v: i for i, v in enumerate(self.groups)}
         self._fused: kernels.Fused | None = None  # the fused path's accumulators
         self._fused_off = False  # numpy backend or bootstrap: the simple path only
+        self._scratch: dict[str, np.ndarray] = {}
         self.version = 0  # bumped by every change (tables caches m2po bins on it)
 
     # -- groups and sequences
@@ -582,14 +583,22 @@ class Tally:
         once each, so a batch of 1M tokens in 512-token sequences costs 2k dict lookups."""
         step = df["step"]
         sid = df["sample_id"]
+        run = None
         if sid.dtype.is_integer() and step.dtype.is_integer():
             st = step.to_numpy()
             sd = sid.to_numpy()
-            flags = np.empty(st.shape[0], dtype=bool)
-            flags[:1] = True
-            np.not_equal(st[1:], st[:-1], out=flags[1:])
-            flags[1:] |= sd[1:] != sd[:-1]
-            starts = np.flatnonzero(flags)
+            j = kernels.jit()
+            if j is not None:  # one pass: each token's run and the runs' starts
+                run = self._buffer("run", st.shape[0])
+                starts = j.seq_runs(
+                    np.ascontiguousarray(st, np.int64), np.ascontiguousarray(sd, np.int64), run
+                )
+            else:
+                flags = np.empty(st.shape[0], dtype=bool)
+                flags[:1] = True
+                np.not_equal(st[1:], st[:-1], out=flags[1:])
+                flags[1:] |= sd[1:] != sd[:-1]
+                starts = np.flatnonzero(flags)
             steps, sids = st[starts].tolist(), sd[starts].tolist()
         else:
             new_run = (
@@ -609,10 +618,23 @@ class Tally:
                 seq_keys[key] = gid
             gid_of_run[i] = gid
         uniq, inv = np.unique(gid_of_run, return_inverse=True)
-        run = np.zeros(flags.shape[0], dtype=np.int64)  # each token's run: a cumulative sum
-        run[starts[1:]] = 1  # of run starts (np.repeat is slower with per-run counts)
-        np.cumsum(run, out=run)
-        return gid_of_run[run], (uniq, inv.reshape(-1)[run])
+        if run is None:
+            run = np.zeros(df.height, dtype=np.int64)  # each token's run: a cumulative sum
+            run[starts[1:]] = 1  # of run starts (np.repeat is slower with per-run counts)
+            np.cumsum(run, out=run)
+            return gid_of_run[run], (uniq, inv.reshape(-1)[run])
+        gid = np.empty(run.shape[0], dtype=np.int64)  # numba: no GIL held over 1M tokens
+        local = self._buffer("local", run.shape[0])
+        kernels.jit().take_runs(run, gid_of_run, inv.reshape(-1).astype(np.int64), gid, local)
+        return gid, (uniq, local)
+
+    def _buffer(self, name: str, n: int) -> np.ndarray:
+        """A scratch int64 array of n, reused batch after batch: fresh 8 MB arrays cost page
+        faults, which are slow while the reader's threads allocate too."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] < n:
+            buf = self._scratch[name] = np.empty(max(n, 1), dtype=np.int64)
+        return buf[:n]
 
     # -- one batch
     def _fused_state(self) -> kernels.Fused | None:
@@ -698,6 +720,11 @@ class Tally:
                 acc = self.seq_max.setdefault(ji, _Grow(-1.0))
                 acc.ensure(len(self.seq_keys))
                 acc.a[uniq] = np.maximum(acc.a[uniq], out.smax[:, slot])
+        for c, idx in out.flagged:  # tokens inside a coordinate's window: the simple path
+            sub = TokenBatch(lp[idx], lq[idx], adv[idx] if adv is not None else None)
+            sseq = None if seq is None else (seq[0][idx], (seq[1][0], seq[1][1][idx]))
+            for ji in fused.p.coord_jobs[c]:
+                self._add_job_numpy(ji, self.jobs[ji], sub, g[idx], G, sseq, None)
         if self.robust:
             tb = tb if tb is not None else TokenBatch(lp, lq, adv)
             self._add_robust(df, tb, g, G)

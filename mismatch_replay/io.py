@@ -36,10 +36,11 @@ With `drop_invalid=True` the rows are dropped instead and counted in `ReadReport
 from __future__ import annotations
 
 import glob as _glob
+import re
 import warnings as _warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import polars as pl
 import pyarrow as pa
@@ -159,6 +160,9 @@ class Plan:
     file_steps: tuple[int | None, ...] = ()  # step implied by each file's path, if any
     warnings: tuple[str, ...] = ()  # about the sources, also copied into each ReadReport
     read_schema: dict[str, pl.DataType] = field(default_factory=dict)  # JSON key -> dtype
+    # Parquet: the row groups [start, stop) to read of each file (None: all); the Ray engine
+    # cuts a large file into several shards this way
+    row_groups: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -254,6 +258,116 @@ def _walk(d: Path, forced: str | None, notes: list[str]) -> tuple[list[Path], st
     return kinds[fmt], fmt
 
 
+class RemotePath(PurePosixPath):
+    """A file in an object store or other pyarrow filesystem (`s3://bucket/key`, `gs://`,
+    `hdfs://`, `file://` ...): the key as a path (so names, suffixes and hive `step=N` parts
+    read as for local files), with the URI's scheme and the pyarrow filesystem that opens it.
+    str() gives the URI back; pickling keeps the filesystem (Ray ships plans to workers)."""
+
+    scheme: str
+    fs: object
+
+    @classmethod
+    def make(cls, scheme: str, key: str, fs) -> RemotePath:
+        p = cls(key)
+        p.scheme = scheme
+        p.fs = fs
+        return p
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{PurePosixPath.__str__(self)}"
+
+    def __reduce__(self):
+        return (RemotePath.make, (self.scheme, PurePosixPath.__str__(self), self.fs))
+
+    def resolve(self) -> RemotePath:
+        return self
+
+
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_uri(text: str) -> bool:
+    """A URI with a scheme (s3://, gs://, file:// ...), as opposed to a local path."""
+    return _URI.match(text) is not None and not re.match(r"^[A-Za-z]:[\\/]", text)
+
+
+def row_group_rows(path: Path) -> list[int]:
+    """Rows of each row group of a Parquet file (from its footer)."""
+    meta = pq.ParquetFile(_open(path)).metadata
+    return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+
+def _open(path: Path):
+    """What pyarrow's Parquet reader opens: a local path, or a remote file's stream."""
+    if isinstance(path, RemotePath):
+        return path.fs.open_input_file(PurePosixPath.__str__(path))
+    return path
+
+
+def filesystem_from_uri(text: str):
+    """(pyarrow filesystem, key) for a URI: S3, GCS, HDFS, Azure, local, as pyarrow has them."""
+    from pyarrow import fs as pafs
+
+    return pafs.FileSystem.from_uri(text)
+
+
+def _resolve_uri(text: str, forced: str | None) -> list[tuple[Path, str, str]]:
+    """A URI source through pyarrow.fs: one file, a prefix (every .parquet under it) or a glob.
+    Parquet only: the other formats' readers want local files."""
+    import fnmatch
+
+    from pyarrow import fs as pafs
+
+    scheme = _URI.match(text).group(1).lower()
+    try:
+        filesystem, key = filesystem_from_uri(text)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise DataError(
+            f"{text}: cannot open this location ({exc}). Check the URI, the credentials "
+            "(e.g. AWS_PROFILE / GOOGLE_APPLICATION_CREDENTIALS) and that pyarrow supports "
+            f"the {scheme}:// scheme here; or copy the files locally."
+        ) from exc
+    if forced not in (None, "parquet"):
+        raise UsageError(
+            f"{text}: --format {forced} reads local files only; object-store sources must be "
+            "Parquet (mismatch-replay convert the logs first)."
+        )
+
+    def listing(base: str) -> list[str]:
+        sel = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+        return sorted(
+            i.path
+            for i in filesystem.get_file_info(sel)
+            if i.type == pafs.FileType.File
+            and not PurePosixPath(i.path).name.startswith((".", "_"))
+        )
+
+    try:
+        if any(ch in key for ch in "*?["):
+            parts = PurePosixPath(key).parts
+            fixed = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+            base = str(PurePosixPath(*parts[:fixed])) if fixed else ""
+            keys = [k for k in listing(base) if fnmatch.fnmatchcase(k, key)]
+            if not keys:
+                raise DataError(f"{text}: the glob matches no object. Check the pattern.")
+        else:
+            info = filesystem.get_file_info(key)
+            if info.type == pafs.FileType.NotFound:
+                raise DataError(f"{text}: no such object or prefix.")
+            keys = listing(key) if info.type == pafs.FileType.Directory else [key]
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{text}: listing failed ({exc}). Check the URI and credentials.") from exc
+    paths = [RemotePath.make(scheme, k, filesystem) for k in keys]
+    parquet = [x for x in paths if x.suffix.lower() == ".parquet" or forced == "parquet"]
+    if not parquet:
+        raise DataError(
+            f"{text}: no .parquet object there ({len(paths)} other object(s)). Object-store "
+            "sources must be Parquet; convert other logs first (mismatch-replay convert)."
+        )
+    return [(x, "parquet", text) for x in sorted(parquet)]
+
+
 def _resolve(
     sources: Sequence[str | Path], options: ReadOptions
 ) -> tuple[list[Path], str, list[str]]:
@@ -267,7 +381,9 @@ def _resolve(
     for s in sources:
         text = str(s)
         p = Path(text)
-        if any(ch in text for ch in "*?["):
+        if is_uri(text):
+            out.extend(_resolve_uri(text, forced))
+        elif any(ch in text for ch in "*?["):
             matched = [Path(x) for x in _glob.glob(text, recursive=True) if Path(x).is_file()]
             if not matched:
                 raise DataError(f"{text}: the glob matches no file. Check the pattern and quoting.")
@@ -347,7 +463,7 @@ def _stable_only(files: list[Path], include: bool, notes: list[str]) -> list[Pat
 
 def _read_schema(path: Path) -> tuple[pa.Schema, int]:
     try:
-        meta = pq.ParquetFile(path)
+        meta = pq.ParquetFile(_open(path))
         return meta.schema_arrow, meta.metadata.num_rows
     except (OSError, pa.ArrowException) as exc:
         raise DataError(
@@ -674,8 +790,12 @@ def _file_batches(
     try:
         # pre_buffer=False: with it, pyarrow keeps every row group read so far until the file is
         # closed (~16 bytes a token: 3 GiB at 200M tokens); without it memory stays flat.
-        pf = pq.ParquetFile(path, pre_buffer=False)
-        for rb in pf.iter_batches(batch_size=plan.options.batch_rows, columns=source_cols):
+        pf = pq.ParquetFile(_open(path), pre_buffer=False)
+        part = plan.row_groups[file_index] if file_index < len(plan.row_groups) else None
+        groups = None if part is None else list(range(part[0], part[1]))
+        for rb in pf.iter_batches(
+            batch_size=plan.options.batch_rows, columns=source_cols, row_groups=groups
+        ):
             yield pl.from_arrow(rb)
     except FileNotFoundError:
         raise DataError(

@@ -62,7 +62,7 @@ import importlib.util
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -145,6 +145,9 @@ def float_keys(x: np.ndarray) -> np.ndarray:
     return np.where((u >> np.uint64(63)) == 1, ~u, u | _SIGN)
 
 
+_U64_0 = np.uint64(0)
+
+
 @dataclass(frozen=True)
 class Binner:
     """Direct binning against sorted thresholds: see the module docstring."""
@@ -156,6 +159,12 @@ class Binner:
     klo: np.uint64
     khi: np.uint64
     shift: np.uint64
+    # compact keys (coordinates): |x| <= tiny bins to nz without the table, and keys of
+    # x >= tiny drop by gap, so the ~2000 binades of tiny values take no table entries
+    tiny: float = -1.0
+    nz: int = 0
+    gap: np.uint64 = _U64_0
+    kpos: np.uint64 = _U64_0
 
 
 _BINNERS: dict = {}
@@ -173,29 +182,69 @@ def make_binner(thr_sorted: np.ndarray, inclusive: bool, max_lut: int = MAX_LUT)
     return b
 
 
-def _make_binner(thr: np.ndarray, inclusive: bool, max_lut: int) -> Binner:
+def make_coord_binner(edges: np.ndarray, max_lut: int) -> Binner:
+    """An inclusive binner (edges <= x) on compact keys: see Binner.tiny."""
+    edges = np.ascontiguousarray(edges, dtype=np.float64)
+    fin = np.abs(edges[np.isfinite(edges)])
+    smallest = fin.min() if fin.size else 0.0
+    if smallest < 1e-300:  # an edge at or near 0: plain keys
+        return _make_binner(edges, True, max_lut)
+    tiny = 0.5 * float(smallest)
+    kneg, kpos = (int(k) for k in float_keys(np.array([-tiny, tiny])))
+    gap = kpos - kneg - 1
+    nz = int(np.searchsorted(edges, 0.0, side="right"))
+    # the table spans the core of the edges: far outliers (overflow points such as the
+    # 1.9e154 where l^2/2 overflows) would stretch every bucket; values beyond the core
+    # scan the few outliers instead
+    big = 1e4 * float(np.median(fin))
+    core = edges[np.abs(edges) <= big]
+    span = (float(core[0]), float(core[-1])) if core.size else None
+    return _make_binner(edges, True, max_lut, (tiny, nz, gap, kpos), span)
+
+
+def compact_keys(x: np.ndarray, bn: Binner) -> np.ndarray:
+    k = float_keys(x)
+    return np.where(k >= bn.kpos, k - bn.gap, k)
+
+
+def _make_binner(thr: np.ndarray, inclusive: bool, max_lut: int, compact=None, span=None) -> Binner:
     if thr.size == 0 or np.isnan(thr).any():
         raise ValueError("thresholds must be non-empty and not NaN")
     max_lut = max(int(max_lut), 4)  # span >> shift < 3 needs shift <= 63 (a shift of 64
     keys = float_keys(thr)  # is undefined on uint64)
+    if compact is not None:
+        keys = np.where(keys >= np.uint64(compact[3]), keys - np.uint64(compact[2]), keys)
     klo, khi = int(keys[0]), int(keys[-1])
+    if span is not None:  # the table covers [span]; keys outside it scan the rest
+        ks = float_keys(np.array(span, dtype=np.float64))
+        if compact is not None:
+            ks = np.where(ks >= np.uint64(compact[3]), ks - np.uint64(compact[2]), ks)
+        klo, khi = int(ks[0]), int(ks[1])
     span = khi - klo
     shift = 0
     while (span >> shift) >= max_lut - 1:
         shift += 1
     nl = (span >> shift) + 1
-    top = (1 << 64) - 1
-    starts = np.array([min(klo + (u << shift), top) for u in range(nl + 1)], dtype=np.uint64)
+    # bucket u starts at key klo + u << shift (the last start may pass 2**64 - 1: clip it)
+    idx = np.arange(nl + 1, dtype=np.uint64)
+    u = idx << np.uint64(shift)
+    starts = np.uint64(klo) + u
+    over = (starts < u) | (idx >= np.uint64(1 << (64 - shift)) if shift else False)
+    starts[over] = np.uint64((1 << 64) - 1)  # past the last key
     below = np.searchsorted(keys, starts, side="left")
     lut = np.concatenate([[0], below, [thr.size]]).astype(np.int64)
-    return Binner(thr, bool(inclusive), lut, nl, np.uint64(klo), np.uint64(khi), np.uint64(shift))
+    b = Binner(thr, bool(inclusive), lut, nl, np.uint64(klo), np.uint64(khi), np.uint64(shift))
+    if compact is not None:
+        tiny, nz, gap, kpos = compact
+        b = replace(b, tiny=float(tiny), nz=int(nz), gap=np.uint64(gap), kpos=np.uint64(kpos))
+    return b
 
 
 def lut_bins(score: np.ndarray, bn: Binner) -> np.ndarray:
     """The kernel's direct binning, in numpy (tests check it against np.searchsorted on
     machines without numba too)."""
     score = np.asarray(score, dtype=np.float64)
-    keys = float_keys(score)
+    keys = compact_keys(score, bn) if bn.tiny >= 0 else float_keys(score)
     k = bn.thr.shape[0]
     below = keys < bn.klo
     above = keys > bn.khi
@@ -214,6 +263,8 @@ def lut_bins(score: np.ndarray, bn: Binner) -> np.ndarray:
         b += step
         e = np.where(step, e, b)  # a failed comparison closes the range
     b[score == math.inf] = k + 1
+    if bn.tiny >= 0:
+        b[np.abs(score) <= bn.tiny] = bn.nz
     return b
 
 
@@ -334,7 +385,7 @@ def compile_job(job) -> JobCode | None:
     return None
 
 
-# the quantity each op bins (its "base"); the op's conditions only add bins 0 and K + 1
+# the quantity each op bins (its "base"); the op's conditions only move bins to 0 and K + 1
 BASES = ("adp", "dp", "-dp", "l", "-l", "r", "-r", "k2", "k3", "kpop", "bkl_qp")
 BASE_OF_OP = {
     "abs_dp": "adp",
@@ -354,93 +405,492 @@ BASE_OF_OP = {
     "ppo:c": "r",
     "l": "l",
 }
+# ... and the coordinate the kernel bins it on: every base is a function of one of these
+COORDS = ("dp", "l", "kpop", "bkl_qp")
+COORD_OF_BASE = {
+    "adp": "dp",
+    "dp": "dp",
+    "-dp": "dp",
+    "l": "l",
+    "-l": "l",
+    "r": "l",
+    "-r": "l",
+    "k2": "l",
+    "k3": "l",
+    "kpop": "kpop",
+    "bkl_qp": "bkl_qp",
+}
+ADV_OPS = frozenset(
+    OP[o]
+    for o in (
+        *("dppo-tv:high", "dppo-tv:low", "dppo-kl:high", "dppo-kl:low"),
+        *("ppo:high", "ppo:low", "ppo:c"),
+    )
+)
+LSIGN_OPS = frozenset((OP["dppo-kl:high"], OP["dppo-kl:low"]))
+COORD_LUT = 1 << 13  # buckets of a coordinate's table (64 KiB)
+_LOG_MAX = math.log(np.finfo(np.float64).max)  # exp() overflows above (709.78)
+_LOG_TINY = -745.2  # exp() is 0 below (-745.13), subnormal up to -708.4
+_K2_MAX = math.sqrt(2.0) * math.sqrt(np.finfo(np.float64).max)  # 0.5 * l * l overflows above
+_A_OF_CLASS = (0.0, 1.0, -1.0)  # advantage class 0: a == 0, 1: a > 0, 2: a < 0
+_L_OF_CLASS = (0.0, 1.0, -1.0)  # the same for the sign of l (binary-KL coordinates)
+
+
+def _mapped(x: float, floor: float = 1e-14) -> tuple[float, float]:
+    """A point where a float function of l (exp, expm1, a square) crosses a threshold, with
+    a window wide enough for that function's rounding: the float score and the exact one
+    differ by a few ulps, which is ~1e-16 of l for exp and expm1 - l, ~1e-16 relative for a
+    square; 1e-9 relative plus `floor` covers it many times over."""
+    return x, 1e-9 * abs(x) + floor
+
+
+def _k3_root(t: float, sign: float) -> float | None:
+    """l with expm1(l) - l = t on the side of `sign` (bisection on the float function)."""
+    lo, hi = 0.0, 1.0
+
+    def f(x: float) -> float:
+        if sign > 0:
+            return math.expm1(x) - x if x < _LOG_MAX else math.inf
+        return math.expm1(-x) + x
+
+    while f(hi) <= t:
+        if hi >= _FMAX:
+            return None  # k3 stays <= t on this side
+        hi = min(2.0 * hi, _FMAX)
+    for _ in range(2000):
+        mid = lo + 0.5 * (hi - lo)
+        if mid in (lo, hi):
+            break
+        if f(mid) > t:
+            hi = mid
+        else:
+            lo = mid
+    return sign * hi
+
+
+# The kernel computes |dp| and the binary KLs with _vmath's exp/expm1/log, a few ulps (<= 1e-15
+# relative, measured) off the C library the simple path uses; windows around their critical
+# points absorb the difference many times over. |dp| = max(p, q) (-expm1(-|l|)): a product,
+# so the error is relative. A clamped binary KL a (la - lb) + ca (log ca - log cb) sums terms
+# no larger than L = |log clamp| (la, lb in [log c, log1p(-c)], ca in [c, 1 - c]), so its
+# error is below 1e-15 (3 L + 2) in absolute terms, however small the KL.
+ERR_REL = 1e-13
+
+
+def _dp_window(x: float) -> tuple[float, float]:
+    return x, ERR_REL * abs(x) + 1e-300
+
+
+def _kl_window(x: float, clamp: float) -> tuple[float, float]:
+    return x, ERR_REL * (3.0 * abs(math.log(clamp)) + 2.0) + 1e-300
+
+
+def critical_points(code: JobCode, bname: str, thr: np.ndarray) -> list[tuple[float, float]]:
+    """Where on its coordinate a slot's bin can change, as (point, half-width of the window
+    of uncertainty). Thresholds on l itself are exact (width 0: l is lp - lq on both paths);
+    |dp| and the binary KLs get the windows above; points mapped through exp, expm1 or a
+    square get `_mapped` windows. Tokens inside a window go to the simple path; between
+    windows a slot's bin is constant (build_coord checks that on samples of each interval)."""
+    pts: list[tuple[float, float]] = []
+    t = [float(x) for x in thr if math.isfinite(x)]
+    if bname == "adp":
+        pts += [_dp_window(x) for x in t] + [_dp_window(-x) for x in t]
+    elif bname == "dp":
+        pts += [_dp_window(x) for x in t]
+    elif bname == "-dp":
+        pts += [_dp_window(-x) for x in t]
+    elif bname in ("kpop", "bkl_qp"):
+        pts += [_kl_window(x, code.clamp) for x in t]
+    elif bname == "l":
+        pts += [(x, 0.0) for x in t]
+    elif bname == "-l":
+        pts += [(-x, 0.0) for x in t]
+    elif bname in ("r", "-r"):
+        s = 1.0 if bname == "r" else -1.0
+        pts += [_mapped(math.log(s * x)) for x in t if s * x > 0]
+    elif bname == "k2":
+        for x in t:
+            if x >= 0:
+                root = math.sqrt(2.0 * x)
+                pts += [_mapped(root, 0.0), _mapped(-root, 0.0)]
+        pts += [_mapped(_K2_MAX, 0.0), _mapped(-_K2_MAX, 0.0)]
+        if any(x < 0 for x in t) or 0.0 in t:  # 0.5 * l * l underflows to 0 near 0
+            pts.append((0.0, 1e-150))
+    elif bname == "k3":
+        roots = [_k3_root(x, s) for x in t if x > 0 for s in (1.0, -1.0)]
+        pts += [_mapped(x) for x in roots if x is not None]
+        if any(x <= 0 for x in t):
+            pts.append((0.0, 1e-7))  # k3 = 0 up to rounding near l = 0
+    if bname in ("r", "-r", "k3"):  # exp / expm1 overflow and underflow
+        pts += [_mapped(_LOG_MAX), (_LOG_TINY, 1.0)]
+    o = OPS[code.op]
+    f0, f1, f2, f3 = code.fp
+    if o in ("ipo-v1:high", "dppo-tv:high"):
+        pts.append(_dp_window(-f0))
+    elif o in ("ipo-v1:low", "dppo-tv:low"):
+        pts.append(_dp_window(f0))
+    elif o in ("band:high", "band:low"):
+        pts.append((f0, 0.0))
+    elif o in ("dppo-kl:high", "dppo-kl:low"):
+        pts.append(_kl_window(f0, code.clamp))
+    elif o.startswith("ppo:"):
+        pts += [_mapped(math.log(v)) for v in (f0, f1) if v > 0]
+        if f3 and f2 > 0:
+            pts.append(_mapped(math.log(f2)))
+    return [(x, w) for x, w in pts if math.isfinite(x)]
+
+
+def slot_bins(code: JobCode, bname: str, thr: np.ndarray, x, a: float, lsign: float):
+    """A slot's bins for coordinate values x (numpy), advantage a and sign of l: the
+    kernel's former per-job program, i.e. each rule's score() on a token with this
+    coordinate, binned as the simple path bins it."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        base = {
+            "adp": np.abs,
+            "dp": lambda v: v,
+            "-dp": np.negative,
+            "l": lambda v: v,
+            "-l": np.negative,
+            "r": np.exp,
+            "-r": lambda v: -np.exp(v),
+            "k2": lambda v: 0.5 * v * v,
+            "k3": lambda v: np.expm1(v) - v,
+            "kpop": lambda v: v,
+            "bkl_qp": lambda v: v,
+        }[bname](x)
+        r = np.exp(x)
+    k = thr.shape[0]
+    k1 = k + 1
+    b = np.searchsorted(thr, base, side="left")
+    b[base == math.inf] = k1
+    o = OPS[code.op]
+    f0, f1, f2, f3 = code.fp
+    zero = np.zeros_like(b)
+    if o == "ipo-v1:high":
+        b = np.where(x < -f0, k1, b)
+    elif o == "ipo-v1:low":
+        b = np.where(x > f0, k1, b)
+    elif o == "band:high":
+        b = np.where(x < f0, k1, b)
+    elif o == "band:low":
+        b = np.where(x > f0, k1, b)
+    elif o == "dppo-tv:high":
+        b = np.where((a <= 0) & (x < -f0), k1, b if a > 0 else zero)
+    elif o == "dppo-tv:low":
+        b = np.where((a > 0) & (x > f0), k1, b if a <= 0 else zero)
+    elif o in ("dppo-kl:high", "dppo-kl:low"):
+        up = a > 0 and lsign > 0
+        down = a < 0 and lsign < 0
+        valid, other = (up, down) if o == "dppo-kl:high" else (down, up)
+        b = np.where(other & (x > f0), k1, b if valid else zero)
+    elif o.startswith("ppo:"):
+        up = (a > 0) & (r > f0)
+        down = (a < 0) & (r < f1)
+        extra = (f3 != 0) & (a < 0) & (r > f2)
+        if o == "ppo:high":
+            valid, inf = a > 0, down | extra
+        elif o == "ppo:low":
+            valid, inf = a < 0, up | extra
+        else:
+            valid, inf = a < 0, up | down
+        b = np.where(inf, k1, b if valid else zero)
+    return b
+
+
+def _key_floats(keys: np.ndarray) -> np.ndarray:
+    """float_keys' inverse (key 0x8000... gives +0.0)."""
+    keys = keys.astype(np.uint64)
+    pos = (keys & _SIGN) != 0
+    bits = np.where(pos, keys ^ _SIGN, ~keys)
+    return bits.view(np.float64)
+
+
+_FMAX = float(np.finfo(np.float64).max)
+
+
+def _merge(ranges) -> list[list[float]]:
+    """Sorted disjoint windows [lo, hi] from ranges; overlapping or touching ones merge."""
+    out: list[list[float]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= float(np.nextafter(out[-1][1], math.inf)):
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+@dataclass
+class Coord:
+    """One coordinate of a Program: its windows, and each of its slots' bin per interval.
+
+    Windows W_0 < ... < W_{M-1} cut the coordinate into intervals I_0 .. I_M (I_i lies
+    between W_{i-1} and W_i). The kernel bins a token's coordinate on `edges` = [lo_0,
+    next(hi_0), lo_1, next(hi_1), ...] counting the edges <= x: odd = inside a window (the
+    token goes to the simple path), even 2i = interval I_i. `jobbin[s, c, i]` is the bin
+    of the coordinate's s-th slot for class c in interval I_i (index M + 1: -1, "no token").
+    """
+
+    kind: str
+    clamp: float | None
+    ncls: int  # 1, 3 (sign of the advantage) or 9 (and the sign of l)
+    slots: list[int]
+    edges: np.ndarray
+    binner: Binner
+    jobbin: np.ndarray  # (len(slots), ncls, M + 2) int64
+    rep: np.ndarray  # (M + 1,) a coordinate value inside each interval
+
+    @property
+    def intervals(self) -> int:
+        return self.edges.shape[0] // 2 + 1
+
+
+N_SAMPLES = 16
+
+
+def _samples(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """(intervals, N_SAMPLES) floats from each start to its end (both included), evenly
+    spaced in key order (so that an interval spanning many binades is sampled in each)."""
+    ka = float_keys(starts)
+    kb = float_keys(ends)
+    step = (kb - ka) // np.uint64(N_SAMPLES - 1)
+    i = np.arange(N_SAMPLES, dtype=np.uint64)
+    ks = ka[:, None] + step[:, None] * i[None, :]
+    ks[:, -1] = kb
+    return _key_floats(ks.reshape(-1)).reshape(ks.shape)
+
+
+def _classes(ncls: int) -> list[tuple[float, float]]:
+    """(advantage, sign of l) standing for each class."""
+    if ncls == 9:
+        return [(a, s) for a in _A_OF_CLASS for s in _L_OF_CLASS]
+    return [(a, 0.0) for a in _A_OF_CLASS[:ncls]]
+
+
+def build_coord(kind: str, clamp, slots, codes, bnames, thrs) -> Coord:
+    """The windows and interval bins of one coordinate shared by `slots`."""
+    ncls = 1
+    if any(codes[s].op in ADV_OPS for s in slots):
+        ncls = 3
+    if any(codes[s].op in LSIGN_OPS for s in slots):
+        ncls = 9
+    points = [pt for s in slots for pt in critical_points(codes[s], bnames[s], thrs[s])]
+    if not points:
+        points = [(-_FMAX, 0.0)]
+    wins = _merge((x - w, x + w) for x, w in points)
+    classes = _classes(ncls)
+    for _ in range(8):
+        lo = np.array([w[0] for w in wins])
+        hi = np.array([w[1] for w in wins])
+        with np.errstate(over="ignore"):
+            starts = np.r_[-_FMAX, np.nextafter(hi, math.inf)]
+            ends = np.r_[np.nextafter(lo, -math.inf), _FMAX]
+        empty = starts > ends  # no float lies between two windows
+        starts = np.where(empty, ends, starts)
+        xs = _samples(starts, ends)
+        m = lo.shape[0]
+        jobbin = np.full((len(slots), ncls, m + 2), -1, dtype=np.int64)
+        ok = np.ones(m + 1, dtype=bool)
+        for si, s in enumerate(slots):
+            for c, (av, ls) in enumerate(classes):
+                b = slot_bins(codes[s], bnames[s], thrs[s], xs.reshape(-1), av, ls)
+                b = b.reshape(xs.shape)
+                ok &= (b == b[:, :1]).all(axis=1) | empty
+                jobbin[si, c, : m + 1] = b[:, N_SAMPLES // 2]
+        if ok.all():
+            break
+        # a slot's bin changes inside an interval (a critical point this module does not
+        # know): the interval becomes a window, and its tokens go to the simple path
+        wins = _merge([*map(tuple, wins), *zip(starts[~ok], ends[~ok], strict=True)])
+    else:  # pragma: no cover - the merge above always converges
+        raise AssertionError("internal error: coordinate intervals did not settle")
+    rep = xs[:, N_SAMPLES // 2].copy()
+    # A sequence's highest bin comes from its lowest and highest interval per class (Fused):
+    # that needs every slot's bins to fall then rise along the intervals (true of every op).
+    d = np.diff(jobbin[:, :, : lo.shape[0] + 1], axis=2)
+    rises = np.cumsum(d > 0, axis=2) > 0
+    if ((d < 0) & rises).any():  # pragma: no cover - a new op that breaks this
+        raise AssertionError(f"internal error: {kind} bins are not quasi-convex")
+    with np.errstate(over="ignore"):  # a window up to the largest float ends at +inf
+        edges = np.array([v for a, b in wins for v in (a, float(np.nextafter(b, math.inf)))])
+    binner = make_coord_binner(edges, COORD_LUT)
+    return Coord(kind, clamp, ncls, list(slots), edges, binner, jobbin, rep)
 
 
 class Program:
-    """The compiled token jobs of a Tally: flat arrays the kernel reads.
+    """The compiled token jobs of a Tally, as the arrays the kernel reads.
 
     `slot[ji]` is the kernel slot of job ji (identical jobs share a slot), or -1 where the
-    simple path runs the job (sequence and step rules, unknown rules). Slots that bin the
-    same quantity against the same thresholds share a *base*: in the default sweep, 20 slots
-    need 12 binnings (e.g. ipo-v1:high and dppo-tv:high both bin dp; tis, cispo:high and
-    icepop:high bin l on one grid).
+    simple path runs the job (sequence and step rules, unknown rules). Slots are grouped by
+    coordinate (`COORDS`; one per clamp for the binary KLs): the default sweep's 20 slots
+    are 4 coordinates. Per slot the output layout is the old one: K + 2 bins at `off`
+    (and weight bins at `woff`), so `take()` hands the engine (groups, K + 2) arrays.
     """
 
     def __init__(self, jobs):
         self.slot = []
         sigs: dict = {}
-        specs: list[tuple[JobCode, int]] = []  # (code, base index)
-        bases: dict = {}
-        base_specs: list[tuple[int, float | None, Binner]] = []
+        self.codes: list[JobCode] = []
+        self.bnames: list[str] = []
+        self.thrs: list[np.ndarray] = []
         for job in jobs:
             code = compile_job(job)
             if code is None:
                 self.slot.append(-1)
                 continue
-            thr = job.thresholds[job.order]
+            thr = np.ascontiguousarray(job.thresholds[job.order], dtype=np.float64)
             sig = (code, thr.tobytes())
             if sig not in sigs:
-                bname = BASE_OF_OP[OPS[code.op]]
-                bsig = (bname, code.clamp, thr.tobytes())
-                if bsig not in bases:
-                    bases[bsig] = len(base_specs)
-                    base_specs.append((BASES.index(bname), code.clamp, make_binner(thr, False)))
-                sigs[sig] = len(specs)
-                specs.append((code, bases[bsig]))
+                sigs[sig] = len(self.codes)
+                self.codes.append(code)
+                self.bnames.append(BASE_OF_OP[OPS[code.op]])
+                self.thrs.append(thr)
             self.slot.append(sigs[sig])
-        u = len(specs)
+        u = len(self.codes)
         self.n = u
-        self.nbase = len(base_specs)
-        clamps = sorted(
-            {c.clamp for c, _ in specs if c.clamp is not None}
-            | {c for _, c, _ in base_specs if c is not None}
-        )
-        self.clamps = np.array(
-            [[c, math.log(c), math.log1p(-c), 1.0 - c] for c in clamps], dtype=np.float64
-        ).reshape(len(clamps), 4)
-
-        def cidx(c):
-            return clamps.index(c) if c is not None else 0
-
-        # slots
-        self.op = np.array([c.op for c, _ in specs], dtype=np.int64)
-        self.wop = np.array([c.wop for c, _ in specs], dtype=np.int64)
-        self.cix = np.array([cidx(c.clamp) for c, _ in specs], dtype=np.int64)
-        self.fp = np.array([c.fp for c, _ in specs], dtype=np.float64).reshape(u, 4)
-        self.base = np.array([b for _, b in specs], dtype=np.int64)
-        self.k = np.array([base_specs[b][2].thr.size for _, b in specs], dtype=np.int64)
+        self.k = np.array([t.size for t in self.thrs], dtype=np.int64)
         widths = self.k + 2
         self.off = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
         self.width = int(widths.sum())
+        self.wop = np.array([c.wop for c in self.codes], dtype=np.int64)
         wmask = self.wop != W_NONE
         wwidths = np.where(wmask, widths, 0)
         woff = np.concatenate([[0], np.cumsum(wwidths)[:-1]]).astype(np.int64)
         self.woff = np.where(wmask, woff, -1).astype(np.int64)
         self.wwidth = int(wwidths.sum())
-        # bases
-        bns = [b for _, _, b in base_specs]
-        self.bop = np.array([o for o, _, _ in base_specs], dtype=np.int64)
-        self.bcix = np.array([cidx(c) for _, c, _ in base_specs], dtype=np.int64)
-        self.bk = np.array([b.thr.size for b in bns], dtype=np.int64)
-        self.bt0 = np.concatenate([[0], np.cumsum(self.bk)[:-1]]).astype(np.int64)
-        self.bnl = np.array([b.nl for b in bns], dtype=np.int64)
-        self.bklo = np.array([b.klo for b in bns], dtype=np.uint64)
-        self.bkhi = np.array([b.khi for b in bns], dtype=np.uint64)
-        self.bshift = np.array([b.shift for b in bns], dtype=np.uint64)
-        self.thr = np.concatenate([b.thr for b in bns]) if bns else np.zeros(0, np.float64)
-        sizes = [b.lut.size for b in bns]
-        self.bl0 = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self.lut = (
-            np.concatenate([b.lut for b in bns]).astype(np.int64) if bns else np.zeros(0, np.int64)
-        )
-        if not specs:
+        if not u:
             self.off = self.woff = np.zeros(0, np.int64)
-        if not bns:
-            self.bt0 = self.bl0 = np.zeros(0, np.int64)
+        # coordinates: slots that bin a function of the same per-token value
+        groups: dict[tuple, list[int]] = {}
+        for s in range(u):
+            kind = COORD_OF_BASE[self.bnames[s]]
+            clamp = self.codes[s].clamp if kind in ("kpop", "bkl_qp") else None
+            groups.setdefault((COORDS.index(kind), clamp), []).append(s)
+        self.coords = [
+            build_coord(COORDS[kind], clamp, slots, self.codes, self.bnames, self.thrs)
+            for (kind, clamp), slots in sorted(groups.items(), key=lambda kv: kv[0][0])
+        ]
+        self.coord_of_slot = np.full(u, -1, dtype=np.int64)
+        for ci, c in enumerate(self.coords):
+            self.coord_of_slot[c.slots] = ci
+        # the jobs (indices into `jobs`) each coordinate serves: its window tokens' jobs
+        self.coord_jobs = [
+            [ji for ji, s in enumerate(self.slot) if s >= 0 and self.coord_of_slot[s] == ci]
+            for ci in range(len(self.coords))
+        ]
+        clamps = sorted({c.clamp for c in self.coords if c.clamp is not None})
+        self.clamps = np.array(
+            [[c, math.log(c), math.log1p(-c), 1.0 - c] for c in clamps], dtype=np.float64
+        ).reshape(len(clamps), 4)
+        cs = self.coords
+        nc = len(cs)
+        self.ckind = np.array([COORDS.index(c.kind) for c in cs], dtype=np.int64)
+        self.ccix = np.array(
+            [clamps.index(c.clamp) if c.clamp is not None else 0 for c in cs], dtype=np.int64
+        )
+        self.cma = np.array([{1: 0, 3: 1, 9: 3}[c.ncls] for c in cs], dtype=np.uint64)
+        self.cml = np.array([1 if c.ncls == 9 else 0 for c in cs], dtype=np.uint64)
+        self.ck = np.array([c.edges.size for c in cs], dtype=np.int64)
+        self.ct0 = np.concatenate([[0], np.cumsum(self.ck)[:-1]]).astype(np.int64)
+        self.cm1 = np.array([c.intervals for c in cs], dtype=np.uint64)
+        hw = np.array([c.ncls * c.intervals for c in cs], dtype=np.int64)
+        self.choff = np.concatenate([[0], np.cumsum(hw)[:-1]]).astype(np.uint64)
+        self.hwidth = int(hw.sum())
+        sw = np.array([c.ncls for c in cs], dtype=np.int64)
+        self.csoff = np.concatenate([[0], np.cumsum(sw)[:-1]]).astype(np.uint64)
+        self.swidth = int(sw.sum())
+        bns = [c.binner for c in cs]
+        self.cnl = np.array([b.nl for b in bns], dtype=np.int64)
+        self.cklo = np.array([b.klo for b in bns], dtype=np.uint64)
+        self.ckhi = np.array([b.khi for b in bns], dtype=np.uint64)
+        self.cshift = np.array([b.shift for b in bns], dtype=np.uint64)
+        self.ctiny = np.array([b.tiny for b in bns], dtype=np.float64)
+        self.cnz = np.array([b.nz for b in bns], dtype=np.uint64)
+        self.cgap = np.array([b.gap for b in bns], dtype=np.uint64)
+        self.ckpos = np.array([b.kpos for b in bns], dtype=np.uint64)
+        sizes = [b.lut.size for b in bns]
+        self.cl0 = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.edges = np.concatenate([c.edges for c in cs]) if cs else np.zeros(0)
+        self.lut = np.concatenate([b.lut for b in bns]) if cs else np.zeros(0, np.int64)
+        # weights (tis, cispo) are functions of l: the l coordinate keeps their sums
+        self.weights = bool(wmask.any())
+        if not nc:
+            self.ct0 = self.cl0 = np.zeros(0, np.int64)
+            self.choff = self.csoff = np.zeros(0, np.uint64)
 
     @property
     def jobs_compiled(self) -> int:
         return sum(1 for s in self.slot if s >= 0)
+
+    def expand(self, h: dict[str, np.ndarray], groups: int) -> dict[str, np.ndarray]:
+        """Per-interval sums (groups, hwidth) -> per-slot bins (groups, width): each
+        interval's sums go to the bin its slot has there, class by class."""
+        G = groups
+        out = {
+            "count": np.zeros((G, self.width), np.int64),
+            "mass": np.zeros((G, self.width)),
+            "seqfrac": np.zeros((G, self.width)) if "seqfrac" in h else None,
+            "wsum": np.zeros((G, max(self.wwidth, 1))),
+            "wsq": np.zeros((G, max(self.wwidth, 1))),
+            "wmax": np.full((G, max(self.wwidth, 1)), -math.inf),
+        }
+        rows = np.arange(G, dtype=np.int64)[:, None]
+        for ci, c in enumerate(self.coords):
+            a = int(self.choff[ci])
+            span = slice(a, a + c.ncls * c.intervals)
+            cnt = h["count"][:G, span]
+            for si, s in enumerate(c.slots):
+                k2 = int(self.k[s]) + 2
+                jb = c.jobbin[si, :, : c.intervals].reshape(-1)  # (ncls * intervals,)
+                idx = (rows * k2 + jb[None, :]).reshape(-1)
+                o = int(self.off[s])
+
+                def add(name, vals, o=o, k2=k2, idx=idx):
+                    s_ = np.bincount(idx, weights=vals.reshape(-1), minlength=G * k2)
+                    out[name][:, o : o + k2] += s_.reshape(G, k2).astype(out[name].dtype)
+
+                add("count", cnt)
+                add("mass", h["mass"][:G, span])
+                if out["seqfrac"] is not None:
+                    add("seqfrac", h["seqfrac"][:G, span])
+                wop = int(self.wop[s])
+                if wop == W_NONE:
+                    continue
+                # w = the clamped ratio, or cispo's constant f1 outside its side
+                f0, f1 = self.codes[s].fp[0], self.codes[s].fp[1]
+                rep = np.tile(c.rep, c.ncls)
+                const = (
+                    np.zeros_like(rep, dtype=bool)
+                    if wop == W_RCLAMP
+                    else (rep < f0 if wop == W_CISPO_HIGH else rep > f0)
+                )
+                ws = np.where(const, f1 * cnt, h["wsum"][:G, span])
+                wq = np.where(const, f1 * f1 * cnt, h["wsq"][:G, span])
+                wm = np.where(const & (cnt > 0), f1, h["wmax"][:G, span])
+                wo = int(self.woff[s])
+                for name, vals in (("wsum", ws), ("wsq", wq)):
+                    s_ = np.bincount(idx, weights=vals.reshape(-1), minlength=G * k2)
+                    out[name][:, wo : wo + k2] += s_.reshape(G, k2)
+                flat = out["wmax"][:, wo : wo + k2].copy().reshape(-1)
+                np.maximum.at(flat, idx, wm.reshape(-1))
+                out["wmax"][:, wo : wo + k2] = flat.reshape(G, k2)
+        return out
+
+    def seq_max(self, smn: np.ndarray, smx: np.ndarray) -> np.ndarray:
+        """(m, slots) highest bin of each sequence from its lowest and highest interval per
+        coordinate and class (-1 where a sequence has no token off the windows)."""
+        m = smn.shape[0]
+        out = np.full((m, max(self.n, 1)), -1, dtype=np.int64)
+        for ci, c in enumerate(self.coords):
+            M1 = c.intervals
+            for cl in range(c.ncls):
+                col = int(self.csoff[ci]) + cl
+                lo = np.minimum(smn[:, col], M1)  # empty: M1 -> the -1 entry
+                hi = np.where(smx[:, col] < 0, M1, smx[:, col])
+                for si, s in enumerate(c.slots):
+                    jb = c.jobbin[si, cl]
+                    np.maximum(out[:, s], np.maximum(jb[lo], jb[hi]), out=out[:, s])
+        return out
 
 
 # ----------------------------------------------------------------------------- state
@@ -455,7 +905,8 @@ ACCUM_BUDGET = 512 << 20  # bytes of per-thread bins before fewer threads keep t
 class BatchOut:
     """What one fused call returns for its batch (summed over threads)."""
 
-    smax: np.ndarray  # (m, U) max bin per batch sequence and slot
+    smax: np.ndarray  # (m, U) max bin per batch sequence and slot (-1: none off windows)
+    flagged: list[tuple[int, np.ndarray]]  # (coordinate, token indices) for the simple path
     msum: np.ndarray  # (G, 15)
     mmax: np.ndarray  # (G, 2)
     hist_lin: np.ndarray  # (bins * bins,)
@@ -478,10 +929,16 @@ def _ro(a, dtype) -> np.ndarray:
 _E1 = np.zeros(1, np.float64)
 _E2 = np.zeros((1, 1), np.float64)
 _EI1 = np.zeros(1, np.int64)
+_EMPTY = np.iinfo(np.int64).max  # a sequence's lowest interval before it has one
 
 
 class Fused:
-    """Per-thread accumulators of one Tally's compiled jobs, and the per-batch call."""
+    """Per-thread accumulators of one Tally's compiled jobs, and the per-batch call.
+
+    The accumulators are per (group, coordinate, class, interval): count, |dp| mass, 1/n
+    (prime-rl's per-sequence fractions) and, on l, the clamped ratio's sum, square sum and
+    max (the weight rules'). `take()` turns them into per-slot bins (Program.expand).
+    """
 
     MIN_CHUNK = 1 << 15  # tokens per thread below which a batch is not split
 
@@ -490,21 +947,24 @@ class Fused:
         self.t = nthreads or threads()
         self.seqfrac = seqfrac
         self.gcap = 0
-        self.cnt = np.zeros((self.t, 0, program.width), np.int64)
-        self.mass = np.zeros((self.t, 0, program.width))
-        self.sfrac = np.zeros((self.t, 0, program.width if seqfrac else 1))
-        self.wsum = np.zeros((self.t, 0, max(program.wwidth, 1)))
+        hw = max(program.hwidth, 1)
+        ww = hw if program.weights else 1
+        self.cnt = np.zeros((self.t, 0, hw), np.int64)
+        self.mass = np.zeros((self.t, 0, hw))
+        self.sfrac = np.zeros((self.t, 0, hw if seqfrac else 1))
+        self.wsum = np.zeros((self.t, 0, ww))
         self.wsq = np.zeros_like(self.wsum)
         self.wmax = np.full_like(self.wsum, -math.inf)
         self.dirty = False
+        self.flagged_tokens = 0  # tokens sent to the simple path (inside a window)
 
     def _grow(self, groups: int) -> None:
         if groups <= self.gcap:
             return
         cap = max(groups, 2 * self.gcap, 1)
-        # Each thread's bins take groups x (sum of K + 2) x ~16 bytes: with --by step on a long
-        # log and many cores that adds up, so past ACCUM_BUDGET fewer threads keep bins (the
-        # others' are folded into thread 0 first; counts do not change).
+        # Each thread's sums take groups x (classes x intervals) x ~16-40 bytes: with --by
+        # step on a long log and many cores that adds up, so past ACCUM_BUDGET fewer threads
+        # keep sums (the others' are folded into thread 0 first; counts do not change).
         row = 8 * (2 * self.cnt.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
         keep = max(1, min(self.t, ACCUM_BUDGET // max(1, row * (cap + PAD))))
         if keep < self.t:
@@ -553,13 +1013,18 @@ class Fused:
         self.dirty = True
         has_seq = seq_local is not None
         m = n_seq if has_seq else 1
-        u = max(p.n, 1)
+        nc = len(p.coords)
         nt = max(1, min(self.t, n // self.MIN_CHUNK))
         bins = scatter_consts[4]
         # Per-thread copies are padded apart (PAD rows) so that two threads never write to
         # the same cache line: false sharing on the metric sums cost 2x.
         gm = groups if metrics else 1
-        smax = np.zeros((nt, m + PAD, u), np.int64)
+        sw = max(p.swidth, 1) if has_seq else 1
+        ms = m + PAD if has_seq else 1
+        smn = np.full((nt, ms, sw), _EMPTY, np.int64)
+        smx = np.full((nt, ms, sw), -1, np.int64)
+        tflag = np.zeros(n, np.uint32)
+        nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         msum = np.zeros((nt, gm + PAD, N_SUMS))
         mmax = np.full((nt, gm + PAD, N_MAXES), -math.inf)
         hl = np.zeros((nt, bins * bins if scatter else 1), np.int64)
@@ -579,6 +1044,7 @@ class Fused:
                 metrics,
                 scatter,
                 m2po,
+                p.weights,
             ],
             dtype=np.int64,
         )
@@ -593,7 +1059,7 @@ class Fused:
         bounds = np.linspace(0, n, nt + 1).astype(np.int64)
 
         def call(t: int) -> int:
-            return j.token_pass(
+            return j.coord_pass(
                 bounds[t],
                 bounds[t + 1],
                 lp,
@@ -604,24 +1070,25 @@ class Fused:
                 invn,
                 ent,
                 flags,
-                p.op,
-                p.wop,
-                p.cix,
-                p.fp,
-                p.k,
-                p.base,
-                p.off,
-                p.woff,
-                p.bop,
-                p.bcix,
-                p.bk,
-                p.bt0,
-                p.bl0,
-                p.bnl,
-                p.bklo,
-                p.bkhi,
-                p.bshift,
-                p.thr,
+                p.ckind,
+                p.ccix,
+                p.cma,
+                p.cml,
+                p.ck,
+                p.ct0,
+                p.cl0,
+                p.cnl,
+                p.cklo,
+                p.ckhi,
+                p.cshift,
+                p.ctiny,
+                p.cnz,
+                p.cgap,
+                p.ckpos,
+                p.choff,
+                p.cm1,
+                p.csoff,
+                p.edges,
                 p.lut,
                 p.clamps,
                 consts,
@@ -631,7 +1098,10 @@ class Fused:
                 self.wsum[t],
                 self.wsq[t],
                 self.wmax[t],
-                smax[t],
+                smn[t],
+                smx[t],
+                tflag,
+                nflag[t],
                 msum[t],
                 mmax[t],
                 hl[t],
@@ -654,8 +1124,16 @@ class Fused:
         first = sq_first[0, :m].copy()
         for t in range(1, nt):  # the first token in input order: the lowest chunk wins
             first = np.where(first < 0, sq_first[t, :m], first)
+        nf = nflag[:, :nc].sum(axis=0)
+        flagged = [(c, np.flatnonzero(tflag & np.uint32(1 << c))) for c in range(nc) if nf[c] > 0]
+        self.flagged_tokens += int(nf.sum())
+        if has_seq:
+            smax = p.seq_max(smn[:, :m].min(axis=0), smx[:, :m].max(axis=0))
+        else:
+            smax = np.full((1, max(p.n, 1)), -1, np.int64)
         return BatchOut(
-            smax=smax[:, :m].max(axis=0),
+            smax=smax,
+            flagged=flagged,
             msum=msum[:, :gm].sum(axis=0),
             mmax=mmax[:, :gm].max(axis=0),
             hist_lin=hl.sum(axis=0),
@@ -669,16 +1147,18 @@ class Fused:
         )
 
     def take(self, groups: int) -> dict[str, np.ndarray]:
-        """Sum the threads' accumulators (first `groups` rows) and reset them."""
+        """Sum the threads' accumulators (first `groups` rows), reset them, and return
+        per-slot bins (Program.expand)."""
         g = groups
-        out = {
+        h = {
             "count": self.cnt[:, :g].sum(axis=0),
             "mass": self.mass[:, :g].sum(axis=0),
-            "seqfrac": self.sfrac[:, :g].sum(axis=0),
             "wsum": self.wsum[:, :g].sum(axis=0),
             "wsq": self.wsq[:, :g].sum(axis=0),
             "wmax": self.wmax[:, :g].max(axis=0),
         }
+        if self.seqfrac:
+            h["seqfrac"] = self.sfrac[:, :g].sum(axis=0)
         self.cnt[:] = 0
         self.mass[:] = 0.0
         self.sfrac[:] = 0.0
@@ -686,14 +1166,14 @@ class Fused:
         self.wsq[:] = 0.0
         self.wmax[:] = -math.inf
         self.dirty = False
-        return out
+        return self.p.expand(h, g)
 
     def job_view(self, taken: dict[str, np.ndarray], slot: int) -> dict[str, np.ndarray]:
         """One slot's (G, K + 2) columns of `take()`'s arrays."""
         p = self.p
         a, b = int(p.off[slot]), int(p.off[slot] + p.k[slot] + 2)
         out = {"count": taken["count"][:, a:b], "mass": taken["mass"][:, a:b]}
-        if self.seqfrac:
+        if self.seqfrac and taken.get("seqfrac") is not None:
             out["seqfrac"] = taken["seqfrac"][:, a:b]
         if p.woff[slot] >= 0:
             wa = int(p.woff[slot])

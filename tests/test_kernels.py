@@ -293,6 +293,146 @@ def test_identical_jobs_share_a_kernel_slot():
     assert slot["ipo[]:eps"] != slot["icepop[low=0.5]:high"]
 
 
+# ----------------------------------------------------------------------------- coordinates
+
+
+@needs_numba
+def test_call_free_exp_expm1_log_are_within_a_few_ulps_of_the_c_library():
+    """_vmath's functions feed every |dp| and binary KL the kernel bins; the windows around
+    their critical points (kernels.ERR_REL = 1e-13) assume <= ~1e-15 relative error."""
+    from mismatch_replay import _vmath
+
+    rng = np.random.default_rng(0)
+    wide = rng.uniform(-760.0, 720.0, 400_000)
+    near0 = np.r_[rng.normal(0.0, 1e-6, 100_000), rng.normal(0.0, 0.5, 200_000)]
+    edges = np.array(
+        [
+            0.0,
+            -0.0,
+            5e-324,
+            -5e-324,
+            1e-300,
+            0.3466,
+            -0.3466,
+            709.78,
+            709.79,
+            -708.4,
+            -744.4,
+            -745.13,
+            -745.2,
+            40.0,
+            -40.0,
+            60.0 * math.log(2),
+        ]
+    )
+    x = np.r_[wide, near0, edges]
+    pos = np.r_[
+        np.exp(rng.uniform(-745.0, 709.0, 300_000)),
+        1 + rng.normal(0, 1e-9, 100_000),
+        rng.uniform(1e-6, 1 - 1e-6, 200_000),
+        [5e-324, 1e-310, 1.0, np.finfo(float).max],
+    ]
+    for kind, ref, arg in ((0, np.exp, x), (1, np.expm1, x), (2, np.log, pos)):
+        out = np.empty_like(arg)
+        _vmath.apply(kind, arg, out)
+        with np.errstate(over="ignore"):
+            want = ref(arg)
+        fin = np.isfinite(want)
+        assert np.array_equal(np.isfinite(out), fin), kind
+        assert np.array_equal(out[~fin], want[~fin]), kind  # overflow to inf alike
+        w, o = want[fin], out[fin]
+        err = np.abs(o - w)
+        tiny = np.abs(w) < 2.3e-308  # subnormal results: absolute error of an ulp or two
+        assert (err[~tiny] <= 4e-15 * np.abs(w[~tiny])).all(), kind
+        assert (err[tiny] <= 2e-323).all(), kind
+
+
+@settings(max_examples=150)
+@given(data=st.data())
+def test_coordinate_binner_counts_edges_at_or_below(data):
+    """Compact keys (values within +-tiny skip the table; the table spans the core of the
+    edges and far outliers are scanned): the count of edges <= x, every x."""
+    pos = data.draw(st.lists(st.floats(1e-6, 1e3), max_size=80), label="pos")
+    neg = data.draw(st.lists(st.floats(1e-6, 1e3), max_size=80), label="neg")
+    far = data.draw(st.lists(st.sampled_from([1e154, -1e154, 1e300, -1e300, 7e2]), max_size=3))
+    e = np.unique(np.r_[pos, [-v for v in neg], far, 1.0])
+    bn = kernels.make_coord_binner(e, data.draw(st.sampled_from([16, 1024, 8192])))
+    extra = np.array(data.draw(st.lists(st.floats(allow_nan=False), max_size=30)), np.float64)
+    with np.errstate(over="ignore"):
+        x = np.r_[e, np.nextafter(e, math.inf), np.nextafter(e, -math.inf), extra, SPECIALS]
+    ref = np.searchsorted(e, x, side="right")
+    ref[x == math.inf] = e.size + 1
+    assert np.array_equal(kernels.lut_bins(x, bn), ref)
+
+
+def test_coordinate_intervals_hold_one_bin_per_slot_and_class():
+    """Program's interval tables against the slots' own bins at random points inside every
+    interval (the build checks 16 evenly spaced points; these are elsewhere)."""
+    jobs, _ = engine.plan_jobs(None, None, ("trainer_logprob", "inference_logprob", "advantage"))
+    prog = kernels.Program(jobs)
+    assert [c.kind for c in prog.coords] == ["dp", "l", "kpop", "bkl_qp"]
+    rng = np.random.default_rng(1)
+    for c in prog.coords:
+        lo = np.r_[-1e6, np.nextafter(c.edges[1::2], math.inf)]
+        hi = np.r_[np.nextafter(c.edges[0::2], -math.inf), 1e6]
+        ok = lo < hi
+        u = rng.random((ok.sum(), 8))
+        pts = lo[ok, None] + (hi[ok] - lo[ok])[:, None] * u
+        pts = np.clip(pts, lo[ok, None], hi[ok, None])
+        for si, s in enumerate(c.slots):
+            for cl, (a, ls) in enumerate(kernels._classes(c.ncls)):
+                b = kernels.slot_bins(prog.codes[s], prog.bnames[s], prog.thrs[s], pts, a, ls)
+                want = c.jobbin[si, cl, : c.intervals][ok]
+                assert (b == want[:, None]).all(), (c.kind, s, cl)
+
+
+@needs_numba
+def test_tokens_on_a_threshold_go_to_the_simple_path(tmp_path):
+    """Ties at thresholds of |dp|, l, k3 and the binary KL: the kernel sends those tokens to
+    the simple path (and only a few), and both paths count the same."""
+    rng = np.random.default_rng(13)
+    df = random_log(rng, steps=3, seqs=10, max_len=30, mismatch=0.3)
+    path = write_log(tmp_path / "log.parquet", df)
+    ok = df.filter(pl.col("loss_mask"))
+    tb = TokenBatch(ok["trainer_logprob"].to_numpy(), ok["inference_logprob"].to_numpy())
+    pick = rng.choice(tb.l.shape[0], 6, replace=False)
+    bkl = binary_kl(tb.lq, tb.lp, 1e-6)
+    sweeps = {
+        "ipo.eps": np.unique(np.r_[0.01, 0.1, tb.abs_dp[pick]]),
+        "tis.cap": np.unique(np.r_[1.5, 3.0, np.exp(np.abs(tb.l[pick]))]),
+        "token-k3.hi": np.unique(np.r_[0.01, tb.k3[pick]]),
+        "dppo-kl.high": np.unique(np.r_[0.01, bkl[pick]]),
+    }
+    rules = ["ipo", "tis", "token-k3", "dppo-kl"]
+    fast, simple = _both([path], rules=rules, sweeps=sweeps, by="step")
+    _assert_same(fast, simple, "step")
+    flagged = fast.tally._fused.flagged_tokens
+    assert 0 < flagged <= 4 * 6 * 3 + 10, flagged
+
+
+@needs_numba
+def test_sequence_codes_agree_across_backends():
+    """Runs of (step, sample_id), a sequence resumed later in the batch, string ids."""
+    df = pl.DataFrame(
+        {
+            "step": [0, 0, 0, 1, 1, 0, 0, 2, 2, 2],
+            "sample_id": [5, 5, 6, 5, 5, 5, 6, 1, 1, 0],
+        }
+    )
+    for frame in (df, df.with_columns(pl.col("sample_id").cast(pl.Utf8))):
+        out = {}
+        for backend in ("numba", "numpy"):
+            with kernels.use_backend(backend):
+                t = engine.Tally([], None, has_seq=True)
+                t._seq_codes(frame[:4])
+                out[backend] = (t._seq_codes(frame[4:]), dict(t.seq_keys))
+        (ga, (ua, la)), ka = out["numba"]
+        (gb, (ub, lb)), kb = out["numpy"]
+        assert ka == kb
+        assert np.array_equal(ga, gb) and np.array_equal(ua, ub) and np.array_equal(la, lb)
+        assert np.array_equal(ua[la], ga)
+
+
 # ----------------------------------------------------------------------------- m2po
 
 
