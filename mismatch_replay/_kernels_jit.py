@@ -627,3 +627,16 @@ def take_runs(run, a, b, out_a, out_b):
     for i in range(run.shape[0]):
         out_a[i] = a[run[i]]
         out_b[i] = b[run[i]]
+
+
+@njit(nogil=True, cache=True)
+def check_column(x, limit):
+    """2 if some value is NaN, infinite or above limit; else 1 if some value is above 0;
+    else 0 (ingest's fast validation, io._quick_check)."""
+    pos = False
+    for i in range(x.shape[0]):
+        v = x[i]
+        if not (v <= limit) or v == -INF or v == INF:
+            return 2
+        pos |= v > 0
+    return 1 if pos else 0

@@ -1,4 +1,4 @@
-"""The Ray engine: the local engine's Tally, computed per file on a Ray cluster and added up.
+"""The Ray engine: the local engine's Tally, computed per shard on a Ray cluster and added up.
 
 Design
 ------
@@ -11,9 +11,9 @@ and each task streams its shard through the same `engine.shard_tally` the local 
 fused kernel included (one thread per task: Ray gives each task one CPU). Object-store URIs
 (s3://, gs://, ...) travel in the plan and each task opens its files through pyarrow.fs.
 Shard Tallies come back through the object store and are added in input order, which is
-also what makes them identical to the
-local engine's: sequence ids and groups are numbered in order of appearance, a sequence's
-group is its first token's, and m2po breaks ties by input order.
+also what makes them identical to the local engine's: sequence ids and groups are numbered
+in order of appearance, a sequence's group is its first token's, and m2po breaks ties by
+input order.
 
 Sizes: a shard Tally is ~(groups x sum of grid sizes x 48 bytes) + ~100 bytes per sequence,
 plus, when m2po is swept, 24-28 bytes per token (m2po ranks each step's tokens: they travel

@@ -6,53 +6,64 @@ The engine's simple path (engine.py, `Tally._add_batch_numpy`) is numpy, rule by
 rule's `score()` builds its float64 arrays with one temporary per operation, then
 `np.searchsorted` bins them against the sorted thresholds and `np.bincount` adds the bins:
 ~3.5 us a token for the default sweep (22 token jobs x 121 values, m2po, 10 sequence jobs),
-69 s for 20M tokens, 220x the time polars takes to read the two log-prob columns (the *scan
-floor*, benchmarks/README.md).
+220x the time polars takes to read the two log-prob columns (the *scan floor*,
+benchmarks/README.md). It is the reference; this module is the fast path.
 
-The fused path compiles the jobs into a small program (an op code and a few constants per
-job, `compile_job`) and runs one numba loop over the tokens of a batch (`_kernels_jit`),
-block by block (512 tokens, so that the block's arrays stay in cache):
+Coordinates. Every token rule's score is a function of one of four per-token values -- its
+*coordinate* -- and of at most the signs of the advantage and of l: |dp| and +-dp are the
+signed difference dp; l, r = e^l, k2, k3 and the ratio bands are functions of l; kpop and
+dppo-kl are a binary KL (one coordinate per clamp). So the kernel does not bin rules: it bins
+each coordinate once per token, against the merged *critical points* of all the rules on it
+(every threshold mapped onto the coordinate: log t for a ratio, the two roots of k3 = t, +-t
+for |dp|, and each rule's fixed sides), and adds the token's count, |dp| mass, 1/n and
+clamped-ratio sums to its (group, class, interval). Between two critical points every rule's
+bin is constant; `Program` works out which bin, interval by interval and class by class
+(class = sign of the advantage, and of l for dppo-kl), by running the rule's own comparisons
+(`slot_bins`, the rules' `score()` in numpy) on points of the interval, and checks it on 16
+points spread over each interval. `Program.expand` turns the interval sums into each rule's
+per-threshold bins at the end; a sequence's highest bin per rule comes from its lowest and
+highest interval per class (every rule's bins fall then rise along a coordinate, checked).
+The default sweep's 20 distinct jobs are 4 coordinates (~1,000 intervals on l), so the work
+per token no longer grows with the number of rules and thresholds.
 
-* per token, the shared quantities once: p, q, l, |dp|, k2, k3, r, the clamped ratio, and a
-  binary-KL pair per distinct clamp -- 5 libm calls (~40 ns) plus 4 per clamp (~45 ns),
-  whatever the number of rules -- with the metric sums, the scatter and the sequence sums;
-* per *base* (a quantity and a grid: |dp|, dp, l, r, k2, k3, a binary KL ...; 12 bases serve
-  the default sweep's 20 distinct jobs), the bin of every token by *direct indexing*: the top
-  bits of the value's order-preserving 64-bit key index a table (<= 2048 entries per grid,
-  built once from the sorted thresholds, `make_binner`) that gives the range of thresholds it
-  can fall between; comparing with those thresholds themselves settles the bin, so counts are
-  exact at every grid point -- ties at a threshold, strict `>` and inclusive `>=`, signed
-  zeros and infinities included -- for any grid, uniform, log-uniform or not. A 121-value
-  grid puts at most one threshold in a bucket: a table load and a comparison, ~3.5 ns;
-* per job, the base's bin moved to 0 or K + 1 by the job's own conditions (the fixed side of
-  a band, the sign of the advantage), then the bin's count, |dp| mass, weight sums and each
-  sequence's highest bin, added in place (no temporaries, no `np.maximum.at`): ~8 ns a job
-  with its share of the bases.
-  Identical jobs (`token-mis` and `icepop` at their defaults) are one job.
+Exactness. Each critical point carries a window of uncertainty; a token whose coordinate
+falls inside one (a tie with a threshold, or closer to it than rounding can settle) is not
+added by the kernel but sent to the simple path (`BatchOut.flagged` -> engine), so counts
+are exactly the simple path's at every grid point, ties, strict `>` and inclusive `>=`
+included. Windows: 0 for thresholds on l itself (l = lp - lq on both paths); 1e-9 of the
+point plus 1e-14 where the rule's score is exp, expm1 - l or a square of l (their float
+rounding is ~1e-16 of l); 1e-13 relative for |dp| and 1e-13 (3 |log clamp| + 2) absolute for
+a clamped binary KL, because the kernel computes those with `_vmath`'s call-free exp, expm1
+and log (<= 1e-15 relative off the C library, measured in tests) so that its per-token loops
+vectorise. Real logs put almost no token in a window (0 of 20M in the benchmark).
 
-About 300 ns a token on one core for the whole default sweep (metrics, scatter, sequences
-and m2po's inputs included): ~11x less than the simple path. What made the difference, as
-measured here: job-major blocks instead of token-major loops, selects instead of branches
-(range checks mispredicted on every other token), unsigned flat indices (numba's
-negative-index checks cost a third), shared bases, and threads' accumulators kept apart (false
-sharing of the metric sums cost 2x).
+Binning a coordinate is direct indexing: the value's order-preserving 64-bit key, with the
+~2000 binades of tiny values squeezed out (`make_coord_binner`: |x| below half the smallest
+critical point bins without the table, far outliers such as the 1.9e154 where l^2/2
+overflows are scanned) indexes a table of 8192 buckets holding 0-2 edges each almost always;
+two branch-free comparisons settle the bin.
 
-Every score is computed with the same float64 operations, in the same order and with the same
-libm functions as the rule's numpy `score()` (no fast-math), so both paths bin bit-identical
-values and their counts agree exactly (tests/test_kernels.py checks it on random logs with
-ties; `MISMATCH_REPLAY_KERNEL=numpy` forces the simple path everywhere). Rules the program
-does not know (a new rule, a subclass) fall back to the simple path, job by job.
+Per token, in blocks of 512: p, q, |dp|, the clamped ratio, k3 and the binary KLs in
+vectorised loops (~1.5-2 ns per exp/expm1/log on AVX2); metrics, sequence sums and m2po's
+inputs one token at a time; then each coordinate's binning and sums. About 120-150 ns a token
+on one core for the whole default sweep, vs ~300 ns for the previous per-rule kernel and
+3.5 us for the simple path. Metric maxima are exact (a candidate within 1e-13 of the
+running max is recomputed with the C library), and so is the scatter (a p or q within 1e-9
+of a bin edge is recomputed); sums differ from the simple path's in the last bits.
+
+Rules the program does not know (a new rule, a subclass) fall back to the simple path, job by
+job. `MISMATCH_REPLAY_KERNEL=numpy` forces the simple path everywhere.
 
 Threads: a batch is split into one contiguous chunk per thread (MISMATCH_REPLAY_THREADS,
-default: the usable cores); each thread adds into its own accumulators (the jobs' bins persist
-across batches and are summed once, at `Tally.flush`; past ACCUM_BUDGET, 512 MiB of them --
+default: the usable cores); each thread adds into its own accumulators (interval sums persist
+across batches and are expanded once, at `Tally.flush`; past ACCUM_BUDGET, 512 MiB of them --
 e.g. --by step over thousands of steps on many cores -- fewer threads keep their own). Integer
 counts never depend on the split; floating-point sums (mass, weights, metrics) differ in the
 last bits, as they already do with how the log is cut into files and batches.
 
 numba is optional (the `fast` extra). Without it everything runs on the simple path with the
-same counts. The first call compiles the kernel (~20-30 s), which numba caches on disk next
-to the module (`__pycache__`); later processes load it in ~0.5 s.
+same counts. The first call compiles the kernel (~30-60 s), which numba caches on disk next
+to the module (`__pycache__`); later processes load it in ~0.5 s (numba's own start-up).
 """
 
 from __future__ import annotations
