@@ -810,6 +810,7 @@ class Tally:
         self.flush()
         state = dict(self.__dict__)
         state["_fused"] = None
+        state["_scratch"] = {}  # per-batch buffers: nothing to ship
         return state
 
     def _add_robust(self, df: pl.DataFrame, tb: TokenBatch, g: np.ndarray, G: int) -> None:

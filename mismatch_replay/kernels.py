@@ -35,7 +35,7 @@ point plus 1e-14 where the rule's score is exp, expm1 - l or a square of l (thei
 rounding is ~1e-16 of l); 1e-13 relative for |dp| and 1e-13 (3 |log clamp| + 2) absolute for
 a clamped binary KL, because the kernel computes those with `_vmath`'s call-free exp, expm1
 and log (<= 1e-15 relative off the C library, measured in tests) so that its per-token loops
-vectorise. Real logs put almost no token in a window (0 of 20M in the benchmark).
+vectorise. Real logs put almost no token in a window (4 of 20M in the benchmark log).
 
 Binning a coordinate is direct indexing: the value's order-preserving 64-bit key, with the
 ~2000 binades of tiny values squeezed out (`make_coord_binner`: |x| below half the smallest

@@ -298,7 +298,8 @@ def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFram
         data[k] = flat[k].astype(float) if k in flat else np.full(n_rows, np.nan)
     data["level"] = [rule.level] * n_rows
     data["kind"] = [rule.kind] * n_rows
-    data["spec"] = [rule.replace(**{param: float(v)}).spec() for v in flat["value"]]
+    specs = {v: rule.replace(**{param: v}).spec() for v in set(flat["value"].tolist())}
+    data["spec"] = [specs[v] for v in flat["value"].tolist()]  # once per value, not per group
     df = pl.DataFrame(data)
     # NaN means "undefined" here: store it as null so JSON/CSV never carry NaN.
     df = df.with_columns(
