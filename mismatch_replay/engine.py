@@ -13,13 +13,16 @@ Per bin it keeps the token count, the |dp| mass and, for weight rules, the sum, 
 max of the natural weight, from which the weight mean, max and effective sample size at every
 cap follow exactly (a truncated token's weight is the cap itself).
 
-Two paths fill the same bins (kernels.py): the *fused* one (numba) runs every known token job,
-the metrics, the scatter and the sequence sums in one loop over a batch, split over the cores
-(~300 ns a token on one core for the default sweep's 22 token jobs, vs ~3.5 us for the simple
-path); the *simple* one is numpy, rule by rule (`rule.score()`, `np.searchsorted`,
-`np.bincount`), the reference the fused path is tested against, and what runs without numba.
-Batches are read one ahead in a background thread (`_prefetch`), so Parquet decoding overlaps
-the kernel. On 20M tokens and 2 cores the default sweep takes ~7 s (benchmarks/README.md).
+Two paths fill the same bins (kernels.py): the *fused* one (numba) bins each token's four
+coordinates (dp, l, a binary KL per clamp) once for every known token job, with the metrics,
+the scatter and the sequence sums, in one loop over a batch split over the cores (~150 ns a
+token on one core for the default sweep's 22 token jobs, vs ~3.5 us for the simple path); the
+tokens it cannot settle (ties with a threshold) come back in `BatchOut.flagged` and take the
+simple path here. The *simple* one is numpy, rule by rule (`rule.score()`,
+`np.searchsorted`, `np.bincount`), the reference the fused path is tested against, and what
+runs without numba. Batches are read ahead in a background thread (`_prefetch`), so Parquet
+decoding overlaps the kernel. On 20M tokens and 2 cores the default sweep takes ~4.3 s
+(benchmarks/README.md).
 
 Sequence rules need whole sequences, which may be spread over batches and files. The engine
 therefore keeps per-sequence sums (`SeqStats`: token count, sum of l, sum of k3, max k2,
