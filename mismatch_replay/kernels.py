@@ -397,7 +397,6 @@ def compile_job(job) -> JobCode | None:
 
 
 # the quantity each op bins (its "base"); the op's conditions only move bins to 0 and K + 1
-BASES = ("adp", "dp", "-dp", "l", "-l", "r", "-r", "k2", "k3", "kpop", "bkl_qp")
 BASE_OF_OP = {
     "abs_dp": "adp",
     "ipo-v1:high": "dp",
