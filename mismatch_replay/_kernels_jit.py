@@ -144,6 +144,20 @@ ERR_ABS = 1e-300
 
 
 @njit(inline="always")
+def _k3c_exact(lpi, lqi, clampv):
+    """k3 of the clamped l with the C library's expm1 (as the simple path computes it)."""
+    lc = min(max(lpi - lqi, -clampv), clampv)
+    return math.expm1(lc) - lc
+
+
+@njit(inline="always")
+def _adp_exact(lpi, lqi):
+    """|dp| with the C library's exp and expm1 (as TokenBatch.abs_dp)."""
+    ge = lpi >= lqi
+    return math.exp(lpi if ge else lqi) * -math.expm1((lqi - lpi) if ge else (lpi - lqi))
+
+
+@njit(inline="always")
 def _near_edge(f):
     """f within 1e-9 of an integer (a scatter bin edge)."""
     d = f - math.floor(f)
@@ -315,22 +329,99 @@ def coord_pass(
                 qp = t2 + cb * (lcb - lca)
                 b_pq[c, t] = pq
                 b_qp[c, t] = qp
-        # ---- metrics, sequences, m2po (one token at a time: they add into group and
-        # sequence rows)
+        # ---- classes, metrics, sequences, m2po
+        g0 = g[start]
+        one_group = True
         for t in range(nb):
             i = start + t
             gi = g[i]
+            one_group &= gi == g0
             l = b_l[t]  # noqa: E741
             b_gw[t] = np.uint64(gi) * HW
             b_lc[t] = np.uint64(1) if l > 0 else (np.uint64(2) if l < 0 else _U0)
             if has_adv:
                 a = adv[i]
                 b_cls[t] = np.uint64(1) if a > 0 else (np.uint64(2) if a < 0 else _U0)
-            adp = b_adp[t]
-            if do_metrics:
+            if has_seq:
+                b_so[t] = np.uint64(sl[i]) * SW
+            if do_m2po:
+                m2x[i] = l * l
+                m2m[i] = b_adp[t]
+        if do_metrics and one_group:  # the usual case: sums in registers, added once
+            s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = s12 = 0.0
+            s13 = s14 = 0.0
+            bk3 = -INF
+            bdp = -INF
+            for t in range(nb):
+                l = b_l[t]  # noqa: E741
                 p = b_p[t]
                 q = b_q[t]
                 k3c = b_k3c[t]
+                adp = b_adp[t]
+                rc = b_rc[t]
+                s1 += -l
+                s2 += 0.5 * l * l
+                s3 += k3c
+                s4 += k3c * k3c
+                s5 += adp
+                s6 += adp * adp
+                s7 += p
+                s8 += q
+                s9 += p * p
+                s10 += q * q
+                s11 += p * q
+                s12 += rc * rc
+                bk3 = max(bk3, k3c)
+                bdp = max(bdp, adp)
+            if has_ent:
+                for t in range(nb):
+                    e = ent[start + t]
+                    if math.isfinite(e):
+                        s13 += e
+                        s14 += 1.0
+            mo = np.uint64(g0) * np.uint64(15)
+            msumf[mo] += nb
+            msumf[mo + np.uint64(1)] += s1
+            msumf[mo + np.uint64(2)] += s2
+            msumf[mo + np.uint64(3)] += s3
+            msumf[mo + np.uint64(4)] += s4
+            msumf[mo + np.uint64(5)] += s5
+            msumf[mo + np.uint64(6)] += s6
+            msumf[mo + np.uint64(7)] += s7
+            msumf[mo + np.uint64(8)] += s8
+            msumf[mo + np.uint64(9)] += s9
+            msumf[mo + np.uint64(10)] += s10
+            msumf[mo + np.uint64(11)] += s11
+            msumf[mo + np.uint64(12)] += s12
+            msumf[mo + np.uint64(13)] += s13
+            msumf[mo + np.uint64(14)] += s14
+            # maxima are reported as they are: tokens that may beat the running max (within
+            # the error bound of the fast exp) are recomputed with the C library (rarely)
+            xo = np.uint64(g0) * np.uint64(2)
+            cur = mmaxf[xo]
+            if bk3 >= cur - (ERR_REL * abs(cur) + ERR_ABS):
+                lim = max(cur, bk3)
+                lim -= ERR_REL * abs(lim) + ERR_ABS
+                for t in range(nb):
+                    if b_k3c[t] >= lim:
+                        mmaxf[xo] = max(mmaxf[xo], _k3c_exact(lp[start + t], lq[start + t], clampv))
+            cur = mmaxf[xo + _U1]
+            if bdp >= cur - (ERR_REL * abs(cur) + ERR_ABS):
+                lim = max(cur, bdp)
+                lim -= ERR_REL * abs(lim) + ERR_ABS
+                for t in range(nb):
+                    if b_adp[t] >= lim:
+                        ex = _adp_exact(lp[start + t], lq[start + t])
+                        mmaxf[xo + _U1] = max(mmaxf[xo + _U1], ex)
+        elif do_metrics:  # several groups in the block: token by token
+            for t in range(nb):
+                i = start + t
+                gi = g[i]
+                l = b_l[t]  # noqa: E741
+                p = b_p[t]
+                q = b_q[t]
+                k3c = b_k3c[t]
+                adp = b_adp[t]
                 rc = b_rc[t]
                 mo = np.uint64(gi) * np.uint64(15)
                 msumf[mo] += 1.0
@@ -351,47 +442,55 @@ def coord_pass(
                     if math.isfinite(e):
                         msumf[mo + np.uint64(13)] += e
                         msumf[mo + np.uint64(14)] += 1.0
-                # maxima are reported as they are: a candidate within the error bound of
-                # the current max is recomputed with the C library (rarely)
                 xo = np.uint64(gi) * np.uint64(2)
                 cur = mmaxf[xo]
                 if k3c >= cur - (ERR_REL * abs(cur) + ERR_ABS):
-                    lpi = lp[i]
-                    lqi = lq[i]
-                    lc = min(max(lpi - lqi, -clampv), clampv)
-                    mmaxf[xo] = max(cur, math.expm1(lc) - lc)
+                    mmaxf[xo] = max(cur, _k3c_exact(lp[i], lq[i], clampv))
                 cur = mmaxf[xo + _U1]
                 if adp >= cur - (ERR_REL * abs(cur) + ERR_ABS):
-                    lpi = lp[i]
-                    lqi = lq[i]
-                    ge = lpi >= lqi
-                    ex = math.exp(lpi if ge else lqi)
-                    ex = ex * -math.expm1((lqi - lpi) if ge else (lpi - lqi))
-                    mmaxf[xo + _U1] = max(cur, ex)
-            if has_seq:
-                so = np.uint64(sl[i])
-                b_so[t] = so * SW
-                sq = so * np.uint64(6)
-                sqf[sq] += 1.0
-                sqf[sq + np.uint64(1)] += l
+                    mmaxf[xo + _U1] = max(cur, _adp_exact(lp[i], lq[i]))
+        if has_seq:  # sequences are runs of tokens: their sums stay in registers
+            cs = np.uint64(sl[start])
+            r0 = r1 = r2 = r3 = r4 = r5 = 0.0
+            rmx = -INF
+            rmn = INF
+            for t in range(nb + 1):
+                so = np.uint64(sl[start + t]) if t < nb else ~cs
+                if so != cs:
+                    sq = cs * np.uint64(6)
+                    sqf[sq] += r0
+                    sqf[sq + np.uint64(1)] += r1
+                    sqf[sq + np.uint64(2)] += r2
+                    sqf[sq + np.uint64(3)] += r3
+                    sqf[sq + np.uint64(4)] += r4
+                    sqf[sq + np.uint64(5)] += r5
+                    sq_mx[cs] = max(sq_mx[cs], rmx)
+                    sq_mn[cs] = min(sq_mn[cs], rmn)
+                    if t == nb:
+                        break
+                    cs = so
+                    r0 = r1 = r2 = r3 = r4 = r5 = 0.0
+                    rmx = -INF
+                    rmn = INF
+                i = start + t
+                if sq_first[so] < 0:
+                    sq_first[so] = g[i]
+                l = b_l[t]  # noqa: E741
                 if abs(l) <= clampv:
                     k3 = b_k3c[t]
                     eabs = b_eabs[t]
                 else:  # beyond the clamp: unclamped k3 and exp(|l|) (rare)
                     k3 = math.expm1(l) - l
                     eabs = math.exp(abs(l))
-                sqf[sq + np.uint64(2)] += k3
-                sqf[sq + np.uint64(3)] += eabs
-                sqf[sq + np.uint64(4)] += adp
+                r0 += 1.0
+                r1 += l
+                r2 += k3
+                r3 += eabs
+                r4 += b_adp[t]
                 if has_adv:
-                    sqf[sq + np.uint64(5)] += adv[i]
-                sq_mx[so] = max(sq_mx[so], 0.5 * l * l)
-                sq_mn[so] = min(sq_mn[so], l)
-                if sq_first[so] < 0:
-                    sq_first[so] = gi
-            if do_m2po:
-                m2x[i] = l * l
-                m2m[i] = adp
+                    r5 += adv[i]
+                rmx = max(rmx, 0.5 * l * l)
+                rmn = min(rmn, l)
         if do_scatter:  # separate loops: the divisions vectorise
             for t in range(nb):
                 sx[t] = (b_q[t] - lin_lo) / lin_w

@@ -648,7 +648,13 @@ class Tally:
         if self._fused_off or self.boot_replicates or kernels.backend() != "numba":
             self._fused_off = True
             return None
-        self._fused = kernels.Fused(kernels.Program(self.jobs), seqfrac=self.inv_n is not None)
+        try:
+            program = kernels.Program(self.jobs)
+        except kernels.TooManyCoordinates as exc:  # rare: the simple path, same counts
+            self.notes.append(f"fast path off ({exc}); the numpy path runs every rule")
+            self._fused_off = True
+            return None
+        self._fused = kernels.Fused(program, seqfrac=self.inv_n is not None)
         return self._fused
 
     def add_batch(self, df: pl.DataFrame) -> None:

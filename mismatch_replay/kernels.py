@@ -727,6 +727,13 @@ def build_coord(kind: str, clamp, slots, codes, bnames, thrs) -> Coord:
     return Coord(kind, clamp, ncls, list(slots), edges, binner, jobbin, rep)
 
 
+MAX_COORDS = 32  # bits of a token's window flags (uint32)
+
+
+class TooManyCoordinates(ValueError):
+    """More coordinates than flag bits: 15+ distinct binary-KL clamps in one sweep."""
+
+
 class Program:
     """The compiled token jobs of a Tally, as the arrays the kernel reads.
 
@@ -776,6 +783,11 @@ class Program:
             kind = COORD_OF_BASE[self.bnames[s]]
             clamp = self.codes[s].clamp if kind in ("kpop", "bkl_qp") else None
             groups.setdefault((COORDS.index(kind), clamp), []).append(s)
+        if len(groups) > MAX_COORDS:  # one flag bit a coordinate (engine: the simple path)
+            raise TooManyCoordinates(
+                f"{len(groups)} coordinates (distinct binary-KL clamps?): the kernel takes "
+                f"{MAX_COORDS}"
+            )
         self.coords = [
             build_coord(COORDS[kind], clamp, slots, self.codes, self.bnames, self.thrs)
             for (kind, clamp), slots in sorted(groups.items(), key=lambda kv: kv[0][0])

@@ -411,6 +411,25 @@ def test_tokens_on_a_threshold_go_to_the_simple_path(tmp_path):
 
 
 @needs_numba
+def test_more_coordinates_than_flag_bits_fall_back_to_the_simple_path(tmp_path):
+    """Each distinct kpop clamp is a coordinate; past 32 the engine runs the numpy path."""
+    from mismatch_replay.rules import KPop
+
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(14)))
+    grid = np.array([1e-3, 1e-2, 0.1])
+    jobs = [engine.Job(KPop(clamp=10.0 ** -(4 + i / 8)), "phi", grid) for i in range(33)]
+    with pytest.raises(kernels.TooManyCoordinates):
+        kernels.Program(jobs)
+    tally = engine.replay([path], jobs=jobs)
+    assert tally._fused is None and any("fast path off" in n for n in tally.notes)
+    few = engine.replay([path], jobs=jobs[:3])
+    assert few._fused is not None
+    with kernels.use_backend("numpy"):
+        ref = engine.replay([path], jobs=jobs)
+    assert_tables_equal(tally.result().table, ref.result().table)
+
+
+@needs_numba
 def test_sequence_codes_agree_across_backends():
     """Runs of (step, sample_id), a sequence resumed later in the batch, string ids."""
     df = pl.DataFrame(
