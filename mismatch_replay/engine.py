@@ -21,7 +21,7 @@ tokens it cannot settle (ties with a threshold) come back in `BatchOut.flagged` 
 simple path here. The *simple* one is numpy, rule by rule (`rule.score()`,
 `np.searchsorted`, `np.bincount`), the reference the fused path is tested against, and what
 runs without numba. Batches are read ahead in a background thread (`_prefetch`), so Parquet
-decoding overlaps the kernel. On 20M tokens and 2 cores the default sweep takes ~4.3 s
+decoding overlaps the kernel. On 20M tokens and 2 cores the default sweep takes 3.5-4.6 s
 (benchmarks/README.md).
 
 Sequence rules need whole sequences, which may be spread over batches and files. The engine
