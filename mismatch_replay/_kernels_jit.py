@@ -330,12 +330,9 @@ def coord_pass(
                 b_pq[c, t] = pq
                 b_qp[c, t] = qp
         # ---- classes, metrics, sequences, m2po
-        g0 = g[start]
-        one_group = True
         for t in range(nb):
             i = start + t
             gi = g[i]
-            one_group &= gi == g0
             l = b_l[t]  # noqa: E741
             b_gw[t] = np.uint64(gi) * HW
             b_lc[t] = np.uint64(1) if l > 0 else (np.uint64(2) if l < 0 else _U0)
@@ -347,12 +344,18 @@ def coord_pass(
             if do_m2po:
                 m2x[i] = l * l
                 m2m[i] = b_adp[t]
-        if do_metrics and one_group:  # the usual case: sums in registers, added once
+        # metrics: each run of one group (usually the whole block) summed in registers
+        ra = 0
+        while do_metrics and ra < nb:
+            g0 = g[start + ra]
+            rb = ra + 1
+            while rb < nb and g[start + rb] == g0:
+                rb += 1
             s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = s12 = 0.0
             s13 = s14 = 0.0
             bk3 = -INF
             bdp = -INF
-            for t in range(nb):
+            for t in range(ra, rb):
                 l = b_l[t]  # noqa: E741
                 p = b_p[t]
                 q = b_q[t]
@@ -374,13 +377,13 @@ def coord_pass(
                 bk3 = max(bk3, k3c)
                 bdp = max(bdp, adp)
             if has_ent:
-                for t in range(nb):
+                for t in range(ra, rb):
                     e = ent[start + t]
                     if math.isfinite(e):
                         s13 += e
                         s14 += 1.0
             mo = np.uint64(g0) * np.uint64(15)
-            msumf[mo] += nb
+            msumf[mo] += rb - ra
             msumf[mo + np.uint64(1)] += s1
             msumf[mo + np.uint64(2)] += s2
             msumf[mo + np.uint64(3)] += s3
@@ -402,53 +405,19 @@ def coord_pass(
             if bk3 >= cur - (ERR_REL * abs(cur) + ERR_ABS):
                 lim = max(cur, bk3)
                 lim -= ERR_REL * abs(lim) + ERR_ABS
-                for t in range(nb):
+                for t in range(ra, rb):
                     if b_k3c[t] >= lim:
-                        mmaxf[xo] = max(mmaxf[xo], _k3c_exact(lp[start + t], lq[start + t], clampv))
+                        ex = _k3c_exact(lp[start + t], lq[start + t], clampv)
+                        mmaxf[xo] = max(mmaxf[xo], ex)
             cur = mmaxf[xo + _U1]
             if bdp >= cur - (ERR_REL * abs(cur) + ERR_ABS):
                 lim = max(cur, bdp)
                 lim -= ERR_REL * abs(lim) + ERR_ABS
-                for t in range(nb):
+                for t in range(ra, rb):
                     if b_adp[t] >= lim:
                         ex = _adp_exact(lp[start + t], lq[start + t])
                         mmaxf[xo + _U1] = max(mmaxf[xo + _U1], ex)
-        elif do_metrics:  # several groups in the block: token by token
-            for t in range(nb):
-                i = start + t
-                gi = g[i]
-                l = b_l[t]  # noqa: E741
-                p = b_p[t]
-                q = b_q[t]
-                k3c = b_k3c[t]
-                adp = b_adp[t]
-                rc = b_rc[t]
-                mo = np.uint64(gi) * np.uint64(15)
-                msumf[mo] += 1.0
-                msumf[mo + np.uint64(1)] += -l
-                msumf[mo + np.uint64(2)] += 0.5 * l * l
-                msumf[mo + np.uint64(3)] += k3c
-                msumf[mo + np.uint64(4)] += k3c * k3c
-                msumf[mo + np.uint64(5)] += adp
-                msumf[mo + np.uint64(6)] += adp * adp
-                msumf[mo + np.uint64(7)] += p
-                msumf[mo + np.uint64(8)] += q
-                msumf[mo + np.uint64(9)] += p * p
-                msumf[mo + np.uint64(10)] += q * q
-                msumf[mo + np.uint64(11)] += p * q
-                msumf[mo + np.uint64(12)] += rc * rc
-                if has_ent:
-                    e = ent[i]
-                    if math.isfinite(e):
-                        msumf[mo + np.uint64(13)] += e
-                        msumf[mo + np.uint64(14)] += 1.0
-                xo = np.uint64(gi) * np.uint64(2)
-                cur = mmaxf[xo]
-                if k3c >= cur - (ERR_REL * abs(cur) + ERR_ABS):
-                    mmaxf[xo] = max(cur, _k3c_exact(lp[i], lq[i], clampv))
-                cur = mmaxf[xo + _U1]
-                if adp >= cur - (ERR_REL * abs(cur) + ERR_ABS):
-                    mmaxf[xo + _U1] = max(cur, _adp_exact(lp[i], lq[i]))
+            ra = rb
         if has_seq:  # sequences are runs of tokens: their sums stay in registers
             cs = np.uint64(sl[start])
             r0 = r1 = r2 = r3 = r4 = r5 = 0.0
