@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mismatch_replay import engine, io
+from mismatch_replay import engine, io, kernels
 from mismatch_replay.errors import DataError, UsageError
 
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
@@ -244,3 +246,37 @@ def test_row_group_ranges_read_exactly_their_rows(tmp_path):
         sub = replace(plan, row_groups=((a, b),), rows=(sum(sizes[a:b]),))
         parts.append(pl.concat([df for _, df in io.iter_batches(sub)]))
     assert pl.concat(parts).equals(pl.concat([df for _, df in io.iter_batches(plan)]))
+
+
+SPECIAL = [0.0, -0.0, 1e-7, 1e-6, 2e-6, -1.0, -1e300, 5e-324, math.nan, math.inf, -math.inf]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_quick_check_agrees_with_the_full_validation(data):
+    """io._quick_check (one pass per column) says clean exactly when no row would be flagged
+    by the per-problem expressions, and asks for the clip whenever a log-prob is above 0."""
+    n = data.draw(st.integers(1, 20))
+    vals = st.one_of(st.sampled_from(SPECIAL), st.floats(-50.0, 0.0))
+    cols = {
+        "trainer_logprob": data.draw(st.lists(vals, min_size=n, max_size=n)),
+        "inference_logprob": data.draw(st.lists(vals, min_size=n, max_size=n)),
+    }
+    if data.draw(st.booleans()):
+        adv = st.one_of(st.sampled_from([0.0, 1.0, math.nan, math.inf, -math.inf]), st.floats())
+        cols["advantage"] = data.draw(st.lists(adv, min_size=n, max_size=n))
+    df = pl.DataFrame(cols, schema={k: pl.Float64 for k in cols})
+    if data.draw(st.booleans()):  # a null somewhere
+        c = data.draw(st.sampled_from(sorted(cols)))
+        df = df.with_columns(
+            pl.when(pl.int_range(pl.len()) == 0).then(None).otherwise(pl.col(c)).alias(c)
+        )
+    plan = io.plan_sources([GOLDEN])
+    flagged = bool(io._invalid_mask(df, plan).any())
+    for backend in ("numpy", "numba") if kernels.backend() == "numba" else ("numpy",):
+        with kernels.use_backend(backend):
+            clean, positive = io._quick_check(df)
+        assert clean == (not flagged), backend
+        lps = [df[c] for c in ("trainer_logprob", "inference_logprob")]
+        if clean:
+            assert positive == any((s > 0).any() for s in lps), backend
