@@ -561,13 +561,14 @@ def coord_pass(
 
 
 @njit(inline="always")
-def _count_ge(vals, j, v, strict):
-    """Number of vals[0:j] (non-increasing) that are >= v (> v when strict)."""
+def _count_ge(vals, j, v):
+    """Number of vals[0:j] (non-increasing) that are >= v (a binary search; its branches
+    are well predicted: most tokens' l^2 fall below every boundary)."""
     a = 0
     b = j
     while a < b:
         mid = (a + b) >> 1
-        if vals[mid] > v or (not strict and vals[mid] == v):
+        if vals[mid] >= v:
             a = mid + 1
         else:
             b = mid
@@ -622,12 +623,15 @@ def m2po_step(
     ties = np.empty(x.shape[0], np.int64)
     for i in range(x.shape[0]):
         v = x[i]
-        ge = _count_ge(bval, nbd, v, False)
-        gt = _count_ge(bval, nbd, v, True)
+        ge = _count_ge(bval, nbd, v)
+        # boundaries equal to v sit just below ge (bval is non-increasing): usually none,
+        # so the second search of the boundaries strictly above v is rarely needed
         tie = False
-        for jj in range(gt, ge):
+        jj = ge - 1
+        while jj >= 0 and bval[jj] == v:
             if btie[jj]:
                 tie = True
+            jj -= 1
         if tie:
             ties[nt] = i
             nt += 1
