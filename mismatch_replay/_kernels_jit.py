@@ -575,6 +575,18 @@ def _count_ge(vals, j, v):
     return a
 
 
+@njit(inline="always")
+def _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn):
+    """Token i of a step in m2po bin bi: its group's count and sums, its sequence's max."""
+    gi = g[i]
+    cnt[gi, bi] += 1
+    msum[gi, bi] += mass[i]
+    if has_invn:
+        sfrac[gi, bi] += invn[i]
+    if bi > smax[seq[i]]:
+        smax[seq[i]] = bi
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def m2po_step(
     xs, x, g, mass, seq, invn, k, thr, lut, nl, klo, khi, shift, cnt, msum, sfrac, smax, has_invn
@@ -637,13 +649,7 @@ def m2po_step(
             nt += 1
             continue
         bi = level[ge]
-        gi = g[i]
-        cnt[gi, bi] += 1
-        msum[gi, bi] += mass[i]
-        if has_invn:
-            sfrac[gi, bi] += invn[i]
-        if bi > smax[seq[i]]:
-            smax[seq[i]] = bi
+        _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn)
     if nt == 0:
         return 0
     tv = np.empty(nt)
@@ -668,13 +674,7 @@ def m2po_step(
             else:
                 b = mid
         bi = brank[a + run]
-        gi = g[i]
-        cnt[gi, bi] += 1
-        msum[gi, bi] += mass[i]
-        if has_invn:
-            sfrac[gi, bi] += invn[i]
-        if bi > smax[seq[i]]:
-            smax[seq[i]] = bi
+        _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn)
     return 0
 
 

@@ -298,7 +298,7 @@ _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 def is_uri(text: str) -> bool:
     """A URI with a scheme (s3://, gs://, file:// ...), as opposed to a local path."""
-    return _URI.match(text) is not None and not re.match(r"^[A-Za-z]:[\\/]", text)
+    return _URI.match(text) is not None
 
 
 def row_group_rows(path: Path) -> list[int]:
