@@ -98,8 +98,11 @@ def bin_incl(s, k, thr, t0, lut, l0, nl, klo, khi, shift):
 
 
 @njit(inline="always")
-def bin_coord(s, k, thr, t0, lut, l0, nl, klo, khi, shift, tiny, nz, gap, kpos):
-    """bin_incl on compact keys (kernels.make_coord_binner): |s| <= tiny is bin nz."""
+def bin_coord(s, k, thr, t0, lut, l0, nl, klo, khi, shift, tiny, nz, gap, kpos, flag):
+    """bin_incl on compact keys (kernels.make_coord_binner) and a flagged table
+    (kernels.flag_lut): a bucket without an edge is its bin (one load, no comparison);
+    a flagged one compares the value with its edges (a rare, well-predicted branch).
+    |s| <= tiny is bin nz."""
     kk = key(s)
     kk = kk - gap if kk >= kpos else kk
     idx = ((kk - klo) >> shift) + _U1
@@ -107,19 +110,21 @@ def bin_coord(s, k, thr, t0, lut, l0, nl, klo, khi, shift, tiny, nz, gap, kpos):
     idx = idx if kk >= klo else _U0
     p = np.uint64(l0) + idx
     b = np.uint64(lut[p])
-    e = np.uint64(lut[p + _U1])
-    t = np.uint64(t0)
-    # two steps without branches (a bucket holds 0-2 edges almost always: a loop's exit
-    # would be mispredicted on every other token), then a loop for fuller buckets
-    last = e - _U1 if e > _U0 else _U0
-    j = b if b < last else last
-    b += _U1 if (b < e) & (s >= thr[t + j]) else _U0
-    j = b if b < last else last
-    b += _U1 if (b < e) & (s >= thr[t + j]) else _U0
-    while b < e and s >= thr[t + b]:
-        b += _U1
+    if b & flag:
+        b ^= flag
+        e = np.uint64(lut[p + _U1]) & (flag - _U1)
+        t = np.uint64(t0)
+        while b < e and s >= thr[t + b]:
+            b += _U1
     b = np.uint64(k) + _U1 if s == INF else b
     return nz if abs(s) <= tiny else b
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def coord_bin_array(x, k, thr, lut, nl, klo, khi, shift, tiny, nz, gap, kpos, flag, out):
+    """bin_coord over an array (the tests check the kernel's binning with it)."""
+    for i in range(x.shape[0]):
+        out[i] = bin_coord(x[i], k, thr, 0, lut, 0, nl, klo, khi, shift, tiny, nz, gap, kpos, flag)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -137,6 +142,8 @@ def bin_array(score, k, thr, incl, lut, nl, klo, khi, shift, out):
 
 
 BLOCK = 512  # tokens per block: the block's derived arrays stay in L1/L2
+N_FSCRATCH = 13  # float64 scratch rows of coord_pass
+N_USCRATCH = 4  # uint64 scratch rows
 
 
 ERR_REL = 1e-13  # kernels.ERR_REL (maxima: a candidate this close to the max is recomputed)
@@ -169,7 +176,7 @@ def _flat(a):
     return a.reshape(a.size)
 
 
-@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
+@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"}, _nrt=False)
 def coord_pass(
     lo,
     hi,
@@ -201,6 +208,7 @@ def coord_pass(
     csoff,
     edges,
     lut,
+    lflag,
     clamps,
     consts,
     cnt,
@@ -223,6 +231,10 @@ def coord_pass(
     sq_first,
     m2x,
     m2m,
+    fs,
+    us,
+    b_pq,
+    b_qp,
 ):
     """Tokens lo..hi-1 of a batch: every coordinate's intervals, metrics, scatter, sums.
 
@@ -234,7 +246,8 @@ def coord_pass(
     it on the simple path) and nflag[c] counts it. 2-D accumulators are used flat with
     unsigned indices. Returns 1 if a coordinate was NaN (a bug), else 0.
     consts: [LOG_CLAMP, scatter lin lo, lin width, log lo, log width, ln 10, bins].
-    clamps: (C, 4) rows of [c, log(c), log1p(-c), 1 - c].
+    clamps: (C, 4) rows of [c, log(c), log1p(-c), 1 - c]. fs (N_FSCRATCH, BLOCK) float64,
+    us (N_USCRATCH, BLOCK) uint64 (rows 0 and 3 zero), b_pq and b_qp (C or 1, BLOCK): scratch.
     """
     has_adv = flags[F_ADV] != 0
     has_seq = flags[F_SEQ] != 0
@@ -263,25 +276,25 @@ def coord_pass(
     mmaxf = _flat(mmax)
     sqf = _flat(sq_sum)
     B = BLOCK
-    b_l = np.empty(B)
-    b_adp = np.empty(B)
-    b_dp = np.empty(B)
-    b_rc = np.empty(B)
-    b_cls = np.zeros(B, np.uint64)  # advantage class: 0 a == 0, 1 a > 0, 2 a < 0
-    b_lc = np.zeros(B, np.uint64)  # the same for l
-    b_gw = np.empty(B, np.uint64)  # group * HW
-    b_so = np.zeros(B, np.uint64)  # sequence * SW
-    b_pq = np.empty((max(nclamp, 1), B))
-    b_qp = np.empty((max(nclamp, 1), B))
-    b_k3c = np.empty(B)
-    b_eabs = np.empty(B)
-    sc = np.empty(B)
-    b_p = np.empty(B)
-    b_q = np.empty(B)
-    sx = np.empty(B)
-    sy = np.empty(B)
-    tx = np.empty(B)
-    ty = np.empty(B)
+    # scratch rows from the caller (no allocation here: the kernel is compiled without
+    # reference counting, whose atomic increments in the token loops cost ~40 ns a token)
+    b_l = fs[0]
+    b_adp = fs[1]
+    b_dp = fs[2]
+    b_rc = fs[3]
+    b_k3c = fs[4]
+    b_eabs = fs[5]
+    sc = fs[6]
+    b_p = fs[7]
+    b_q = fs[8]
+    sx = fs[9]
+    sy = fs[10]
+    tx = fs[11]
+    ty = fs[12]
+    b_cls = us[0]  # advantage class: 0 a == 0, 1 a > 0, 2 a < 0 (zeros from the caller)
+    b_lc = us[1]  # the same for l
+    b_gw = us[2]  # group * HW
+    b_so = us[3]  # sequence * SW (zeros from the caller)
     bad = False
     for start in range(lo, hi, B):
         nb = min(B, hi - start)
@@ -524,7 +537,9 @@ def coord_pass(
             for t in range(nb):
                 x = sc[t]
                 bad |= x != x
-                b = bin_coord(x, kj, edges, tj, lut, lj, nlj, klj, khj, shj, tyj, nzj, gpj, kpj)
+                b = bin_coord(
+                    x, kj, edges, tj, lut, lj, nlj, klj, khj, shj, tyj, nzj, gpj, kpj, lflag
+                )
                 if b & _U1:  # inside a window: the simple path decides
                     tflag[start + t] |= bit
                     nf += 1
@@ -587,13 +602,39 @@ def _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn):
         smax[seq[i]] = bi
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+@njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
 def m2po_step(
-    xs, x, g, mass, seq, invn, k, thr, lut, nl, klo, khi, shift, cnt, msum, sfrac, smax, has_invn
+    xs,
+    x,
+    g,
+    mass,
+    seq,
+    invn,
+    k,
+    thr,
+    lut,
+    nl,
+    klo,
+    khi,
+    shift,
+    cnt,
+    msum,
+    sfrac,
+    smax,
+    has_invn,
+    brank,
+    suf,
+    bval,
+    btie,
+    level,
+    ties,
 ):
     """m2po for one step. xs: the step's l^2 sorted descending; x, g, mass, seq, invn: its
     tokens in input order. Adds into cnt/msum/sfrac[g, bin] and sets smax[seq] = max bin.
-    Returns 1 if a score was NaN.
+    brank, suf, bval, level (n + 1), btie, ties: scratch of the step's length (no allocation
+    here: compiled without reference counting, whose atomic operations around every token's
+    additions cost more than the additions). Returns -1 if a score was NaN, else the number
+    of tokens left in ties[:nt] for m2po_ties (their bin depends on their input order).
 
     Rank m gets the mean of xs[m:] (suffix sums accumulated from the smallest value up, as
     tables.m2po_scores computes them, restarted at each step); its bin is bin_of(mean). Bins
@@ -604,35 +645,27 @@ def m2po_step(
     decides (the k-th tie in input order has rank #(xs > v) + k).
     """
     n = xs.shape[0]
-    brank = np.empty(n, np.int64)
     # suffix sums accumulated from the smallest value up: no cancellation against the large
     # values at the top of the step (a total minus a running prefix would lose the digits)
-    suf = np.empty(n)
     acc = 0.0
     for m in range(n - 1, -1, -1):
         acc += xs[m]
         suf[m] = acc
-    nbd = 0
     for m in range(n):
         sc = suf[m] / (n - m)
         if sc != sc:
-            return 1
+            return -1
         brank[m] = bin_incl(sc, k, thr, 0, lut, 0, nl, klo, khi, shift)
-        if m > 0 and brank[m] != brank[m - 1]:
-            nbd += 1
-    bval = np.empty(nbd)  # xs at each boundary (non-increasing)
-    btie = np.empty(nbd, np.bool_)  # the boundary splits a run of ties
-    level = np.empty(nbd + 1, np.int64)
+    # boundaries: xs at each (non-increasing), whether it splits a run of ties, the level
     level[0] = brank[0]
-    j = 0
+    nbd = 0
     for m in range(1, n):
         if brank[m] != brank[m - 1]:
-            bval[j] = xs[m]
-            btie[j] = xs[m - 1] == xs[m]
-            level[j + 1] = brank[m]
-            j += 1
+            bval[nbd] = xs[m]
+            btie[nbd] = xs[m - 1] == xs[m]
+            level[nbd + 1] = brank[m]
+            nbd += 1
     nt = 0
-    ties = np.empty(x.shape[0], np.int64)
     for i in range(x.shape[0]):
         v = x[i]
         ge = _count_ge(bval, nbd, v)
@@ -650,21 +683,23 @@ def m2po_step(
             continue
         bi = level[ge]
         _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn)
-    if nt == 0:
-        return 0
-    tv = np.empty(nt)
-    for t in range(nt):
-        tv[t] = x[ties[t]]
-    order = np.argsort(tv, kind="mergesort")  # stable: input order within a value
+    return nt
+
+
+@njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
+def m2po_ties(xs, x, ties, order, brank, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn):
+    """The tokens m2po_step left in ties, in `order` (a stable sort of their values): the
+    k-th of equal values in input order has rank #(xs > v) + k."""
     run = 0
-    for u in range(nt):
+    n = xs.shape[0]
+    for u in range(order.shape[0]):
         t = order[u]
-        if u > 0 and tv[order[u - 1]] == tv[t]:
+        i = ties[t]
+        v = x[i]
+        if u > 0 and x[ties[order[u - 1]]] == v:
             run += 1
         else:
             run = 0
-        i = ties[t]
-        v = x[i]
         a = 0
         b = n
         while a < b:  # lo = #(xs > v)
@@ -675,7 +710,6 @@ def m2po_step(
                 b = mid
         bi = brank[a + run]
         _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn)
-    return 0
 
 
 @njit(nogil=True, cache=True)

@@ -72,6 +72,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -248,6 +249,47 @@ def _make_binner(thr: np.ndarray, inclusive: bool, max_lut: int, compact=None, s
     if compact is not None:
         tiny, nz, gap, kpos = compact
         b = replace(b, tiny=float(tiny), nz=int(nz), gap=np.uint64(gap), kpos=np.uint64(kpos))
+    return b
+
+
+def flag_lut(lut: np.ndarray, flag: int) -> np.ndarray:
+    """A coordinate's table for the kernel: entry u is the bin of every value in bucket u
+    (lut[u]) when the bucket holds no edge, else lut[u] | flag (then lut[u + 1], unflagged,
+    ends the edges to compare). Most tokens fall in buckets without an edge: one load."""
+    lut = np.asarray(lut, dtype=np.int64)
+    if lut.size and int(lut.max()) >= flag:
+        raise ValueError(f"internal error: {int(lut.max())} edges do not fit under flag {flag}")
+    out = lut.copy()
+    out[:-1][lut[:-1] < lut[1:]] |= flag
+    return out
+
+
+def flagged_bins(score: np.ndarray, bn: Binner, flagged: np.ndarray, flag: int) -> np.ndarray:
+    """The kernel's binning on a flagged table (flag_lut), in numpy: the tests check it
+    against np.searchsorted, and the kernel against the simple path."""
+    score = np.asarray(score, dtype=np.float64)
+    keys = compact_keys(score, bn) if bn.tiny >= 0 else float_keys(score)
+    below = keys < bn.klo
+    above = keys > bn.khi
+    d = np.where(below | above, np.uint64(0), keys - bn.klo) >> bn.shift
+    idx = np.where(below, 0, np.where(above, bn.nl + 1, d.astype(np.int64) + 1))
+    v = flagged[idx].astype(np.int64)
+    slow = (v & flag) != 0
+    b = v & (flag - 1)
+    e = np.where(
+        slow, flagged[np.minimum(idx + 1, flagged.size - 1)].astype(np.int64) & (flag - 1), b
+    )
+    k = bn.thr.shape[0]
+    while True:
+        open_ = b < e
+        if not open_.any():
+            break
+        step = open_ & (score >= bn.thr[np.minimum(b, k - 1)])
+        b = b + step
+        e = np.where(step, e, b)
+    b = np.where(score == math.inf, k + 1, b)
+    if bn.tiny >= 0:
+        b = np.where(np.abs(score) <= bn.tiny, bn.nz, b)
     return b
 
 
@@ -438,7 +480,7 @@ ADV_OPS = frozenset(
     )
 )
 LSIGN_OPS = frozenset((OP["dppo-kl:high"], OP["dppo-kl:low"]))
-COORD_LUT = 1 << 13  # buckets of a coordinate's table (64 KiB)
+COORD_LUT = 1 << 14  # buckets of a coordinate's table (32 KiB as uint16)
 _LOG_MAX = math.log(np.finfo(np.float64).max)  # exp() overflows above (709.78)
 _LOG_TINY = -745.2  # exp() is 0 below (-745.13), subnormal up to -708.4
 _K2_MAX = math.sqrt(2.0) * math.sqrt(np.finfo(np.float64).max)  # 0.5 * l * l overflows above
@@ -833,7 +875,11 @@ class Program:
         sizes = [b.lut.size for b in bns]
         self.cl0 = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self.edges = np.concatenate([c.edges for c in cs]) if cs else np.zeros(0)
-        self.lut = np.concatenate([b.lut for b in bns]) if cs else np.zeros(0, np.int64)
+        wide = any(c.edges.size >= (1 << 15) - 1 for c in cs)
+        self.lflag = np.uint64(1 << 31 if wide else 1 << 15)
+        dtype = np.uint32 if wide else np.uint16
+        luts = [flag_lut(b.lut, int(self.lflag)).astype(dtype) for b in bns]
+        self.lut = np.concatenate(luts) if cs else np.zeros(0, dtype)
         # weights (tis, cispo) are functions of l: the l coordinate keeps their sums
         self.weights = bool(wmask.any())
         if not nc:
@@ -980,6 +1026,30 @@ class Fused:
         self.dirty = False
         self.flagged_tokens = 0  # tokens sent to the simple path (inside a window)
 
+    def __getstate__(self):  # pickling (Ray): the scratch is rebuilt where it is used
+        state = self.__dict__.copy()
+        state.pop("_scr", None)
+        return state
+
+    def _scratch(self, t: int, nclamp: int) -> tuple[np.ndarray, ...]:
+        """Thread t's scratch rows for coord_pass (which allocates nothing itself): float64
+        and uint64 rows of a block, the uint64 rows it reads before writing zeroed."""
+        scr = self.__dict__.setdefault("_scr", {})
+        key = (t, nclamp)
+        if key not in scr:
+            from ._kernels_jit import BLOCK, N_FSCRATCH, N_USCRATCH
+
+            c = max(nclamp, 1)
+            scr[key] = (
+                np.empty((N_FSCRATCH, BLOCK)),
+                np.empty((N_USCRATCH, BLOCK), np.uint64),
+                np.empty((c, BLOCK)),
+                np.empty((c, BLOCK)),
+            )
+        out = scr[key]
+        out[1][:] = 0
+        return out
+
     def _grow(self, groups: int) -> None:
         if groups <= self.gcap:
             return
@@ -1112,6 +1182,7 @@ class Fused:
                 p.csoff,
                 p.edges,
                 p.lut,
+                p.lflag,
                 p.clamps,
                 consts,
                 self.cnt[t],
@@ -1134,6 +1205,7 @@ class Fused:
                 sq_first[t],
                 m2x,
                 m2m,
+                *self._scratch(t, p.clamps.shape[0]),
             )
 
         if nt == 1:
@@ -1208,6 +1280,26 @@ class Fused:
 # ----------------------------------------------------------------------------- m2po
 
 
+_M2PO_SCRATCH = threading.local()
+
+
+def _m2po_scratch(n: int) -> tuple[np.ndarray, ...]:
+    """This thread's scratch for m2po_step, at least n long (steps reuse it: no fresh pages
+    per step)."""
+    have = getattr(_M2PO_SCRATCH, "arrays", None)
+    if have is None or have[0].shape[0] < n:
+        m = max(n, 1024)
+        have = _M2PO_SCRATCH.arrays = (
+            np.empty(m, np.int64),
+            np.empty(m),
+            np.empty(m),
+            np.empty(m, np.bool_),
+            np.empty(m + 1, np.int64),
+            np.empty(m, np.int64),
+        )
+    return have
+
+
 def m2po_step_bins(
     x: np.ndarray,
     g: np.ndarray,
@@ -1238,28 +1330,22 @@ def m2po_step_bins(
         xs = np.sort(x)[::-1].copy()
         bn = make_binner(thr_sorted, True)
         has_invn = inv_n is not None and out_seqfrac is not None
-        err = j.m2po_step(
-            xs,
-            _ro(x, np.float64),
+        brank, suf, bval, btie, level, ties = _m2po_scratch(n)
+        x = _ro(x, np.float64)
+        tokens = (
             _ro(g, np.int64),
             _ro(mass, np.float64),
             _ro(seq, np.int64),
             _ro(inv_n, np.float64) if has_invn else _ro(_E1, np.float64),
-            k,
-            bn.thr,
-            bn.lut,
-            bn.nl,
-            bn.klo,
-            bn.khi,
-            bn.shift,
-            out_count,
-            out_mass,
-            out_seqfrac if has_invn else _E2,
-            seq_bin,
-            has_invn,
         )
-        if err:
+        outs = (out_count, out_mass, out_seqfrac if has_invn else _E2, seq_bin, has_invn)
+        table = (k, bn.thr, bn.lut, bn.nl, bn.klo, bn.khi, bn.shift)
+        nt = j.m2po_step(xs, x, *tokens, *table, *outs, brank, suf, bval, btie, level, ties)
+        if nt < 0:
             raise AssertionError("internal error: m2po produced NaN scores")
+        if nt:  # ties split by a boundary: their input order decides (rare)
+            order = np.argsort(x[ties[:nt]], kind="stable")
+            j.m2po_ties(xs, x, ties[:nt], order, brank, *tokens, *outs)
         return
     order = np.argsort(-x, kind="stable")
     xs = x[order]

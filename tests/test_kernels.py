@@ -363,6 +363,21 @@ def test_coordinate_binner_counts_edges_at_or_below(data):
     ref = np.searchsorted(e, x, side="right")
     ref[x == math.inf] = e.size + 1
     assert np.array_equal(kernels.lut_bins(x, bn), ref)
+    # the kernel's flagged table (a bucket without an edge is its bin), numpy and numba
+    for flag, dtype in ((1 << 15, np.uint16), (1 << 31, np.uint32)):
+        fl = kernels.flag_lut(bn.lut, flag).astype(dtype)
+        assert np.array_equal(kernels.flagged_bins(x, bn, fl, flag), ref)
+        j = kernels.jit()
+        if j is not None:
+            out = np.empty(x.size, np.uint64)
+            args = (bn.nl, bn.klo, bn.khi, bn.shift, bn.tiny, np.uint64(bn.nz), bn.gap, bn.kpos)
+            j.coord_bin_array(x, np.uint64(e.size), bn.thr, fl, *args, np.uint64(flag), out)
+            assert np.array_equal(out.astype(np.int64), ref)
+
+
+def test_coordinate_table_refuses_more_edges_than_its_flag_leaves_room_for():
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.flag_lut(np.array([0, 3, 40_000, 40_000]), 1 << 15)
 
 
 def test_coordinate_intervals_hold_one_bin_per_slot_and_class():
