@@ -129,7 +129,7 @@ def coord_bin_array(x, k, thr, lut, nl, klo, khi, shift, tiny, nz, gap, kpos, fl
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def bin_array(score, k, thr, incl, lut, nl, klo, khi, shift, out):
-    """bin_of over an array (sequence rules, m2po). Returns 1 if a score was NaN."""
+    """bin_of over an array (sequence rules). Returns 1 if a score was NaN."""
     for i in range(score.shape[0]):
         s = score[i]
         if s != s:
@@ -612,11 +612,6 @@ def m2po_step(
     invn,
     k,
     thr,
-    lut,
-    nl,
-    klo,
-    khi,
-    shift,
     cnt,
     msum,
     sfrac,
@@ -651,11 +646,22 @@ def m2po_step(
     for m in range(n - 1, -1, -1):
         acc += xs[m]
         suf[m] = acc
+    # each rank's bin, the number of thresholds <= its score, found by walking from the
+    # previous rank's (scores barely move from one rank to the next; exact either way)
+    b = 0
     for m in range(n):
         sc = suf[m] / (n - m)
         if sc != sc:
             return -1
-        brank[m] = bin_incl(sc, k, thr, 0, lut, 0, nl, klo, khi, shift)
+        if sc == INF:
+            brank[m] = k + 1
+            continue
+        b = min(b, k)
+        while b > 0 and sc < thr[b - 1]:
+            b -= 1
+        while b < k and sc >= thr[b]:
+            b += 1
+        brank[m] = b
     # boundaries: xs at each (non-increasing), whether it splits a run of ties, the level
     level[0] = brank[0]
     nbd = 0
@@ -666,9 +672,11 @@ def m2po_step(
             level[nbd + 1] = brank[m]
             nbd += 1
     nt = 0
+    low = bval[nbd - 1] if nbd > 0 else INF  # the smallest boundary
     for i in range(x.shape[0]):
         v = x[i]
-        ge = _count_ge(bval, nbd, v)
+        # below every boundary (no search, no tie): the last level
+        ge = nbd if v < low else _count_ge(bval, nbd, v)
         # boundaries equal to v sit just below ge (bval is non-increasing): usually none,
         # so the second search of the boundaries strictly above v is rarely needed
         tie = False

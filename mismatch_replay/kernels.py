@@ -1328,7 +1328,7 @@ def m2po_step_bins(
     j = jit()
     if j is not None:
         xs = np.sort(x)[::-1].copy()
-        bn = make_binner(thr_sorted, True)
+        thr = np.ascontiguousarray(thr_sorted, dtype=np.float64)
         has_invn = inv_n is not None and out_seqfrac is not None
         brank, suf, bval, btie, level, ties = _m2po_scratch(n)
         x = _ro(x, np.float64)
@@ -1339,8 +1339,7 @@ def m2po_step_bins(
             _ro(inv_n, np.float64) if has_invn else _ro(_E1, np.float64),
         )
         outs = (out_count, out_mass, out_seqfrac if has_invn else _E2, seq_bin, has_invn)
-        table = (k, bn.thr, bn.lut, bn.nl, bn.klo, bn.khi, bn.shift)
-        nt = j.m2po_step(xs, x, *tokens, *table, *outs, brank, suf, bval, btie, level, ties)
+        nt = j.m2po_step(xs, x, *tokens, k, thr, *outs, brank, suf, bval, btie, level, ties)
         if nt < 0:
             raise AssertionError("internal error: m2po produced NaN scores")
         if nt:  # ties split by a boundary: their input order decides (rare)
