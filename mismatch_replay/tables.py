@@ -18,6 +18,8 @@ Undefined values (no sequences in the log, a weight statistic of a mask rule) ar
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import polars as pl
 
@@ -312,8 +314,25 @@ def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFram
 
 
 def sweep_table(tally: Tally) -> pl.DataFrame:
-    """The long table of every job, in job order, values ascending, then group."""
-    frames = [job_frame(tally, ji) for ji in range(len(tally.jobs))]
+    """The long table of every job, in job order, values ascending, then group. m2po's
+    steps are resolved in a background thread (numba and numpy's sort, no GIL held) while
+    the other jobs' rows are built (Python and polars)."""
+    tally.flush()
+    m2po = None
+    if any(job.rule.level == "step" for job in tally.jobs):
+        m2po = ThreadPoolExecutor(1, thread_name_prefix="mismatch-replay-m2po")
+        pending = m2po.submit(_m2po_bins, tally)
+    try:
+        frames: list[pl.DataFrame | None] = [
+            None if job.rule.level == "step" else job_frame(tally, ji)
+            for ji, job in enumerate(tally.jobs)
+        ]
+        if m2po is not None:
+            pending.result()  # cached on the tally: job_frame finds it there
+            frames = [job_frame(tally, ji) if f is None else f for ji, f in enumerate(frames)]
+    finally:
+        if m2po is not None:
+            m2po.shutdown(wait=True)
     if not frames:
         return pl.DataFrame()
     df = pl.concat(frames, how="vertical_relaxed")
