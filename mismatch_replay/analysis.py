@@ -91,10 +91,10 @@ def figure_data(
         if settings
         else default_settings(plan.columns)
     )
-    full = engine.replay(plan, rules=None, sweeps=sweeps, progress=progress)
+    full = engine.replay(plan, rules=None, sweeps=sweeps, progress=progress, final=True)
     res = full.result()
-    by_step = engine.replay(plan, rules=chosen, by="step", progress=progress)
-    by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress)
+    by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
+    by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
     return FigureData(
         hist_lin=full.hist_lin,
         hist_log=full.hist_log,
@@ -222,7 +222,7 @@ def choose(
     rows: list[dict] = []
     if target_fraction is None:
         boot = (bootstrap, unit, seed) if bootstrap else None
-        tally = engine.replay(plan, jobs=jobs, bootstrap=boot, progress=progress)
+        tally = engine.replay(plan, jobs=jobs, bootstrap=boot, progress=progress, final=True)
         for ji, job in enumerate(jobs):
             values, hits, tokens = tables.job_counts(tally, ji)
             frac = hits[0] / tokens
@@ -230,7 +230,7 @@ def choose(
             rows.append(_choice_row(job, values[0], frac, None, lo, hi, "ok", note, tokens, 1))
         return rows
     # 1. the default grids
-    tally = engine.replay(plan, jobs=jobs, progress=progress)
+    tally = engine.replay(plan, jobs=jobs, progress=progress, final=True)
     searches = []
     for ji, job in enumerate(jobs):
         values, hits, tokens = tables.job_counts(tally, ji)
@@ -247,7 +247,7 @@ def choose(
         for _, s in todo:
             a, b = s.state(target_fraction, tol)[3]
             rjobs.append(engine.Job(s.job.rule, s.job.param, _grid_between(a, b, REFINE_POINTS)))
-        t = engine.replay(plan, jobs=rjobs, progress=progress)
+        t = engine.replay(plan, jobs=rjobs, progress=progress, final=True)
         for k, (_, s) in enumerate(todo):
             values, hits, _ = tables.job_counts(t, k)
             s.add(values, hits)
@@ -268,7 +268,9 @@ def choose(
         bjobs.append(engine.Job(s.job.rule, s.job.param, grid))
     bt = None
     if bootstrap:
-        bt = engine.replay(plan, jobs=bjobs, bootstrap=(bootstrap, unit, seed), progress=progress)
+        bt = engine.replay(
+            plan, jobs=bjobs, bootstrap=(bootstrap, unit, seed), progress=progress, final=True
+        )
     for i, s in enumerate(searches):
         best, frac, status, _ = s.state(target_fraction, tol)
         if status == "refine":
@@ -380,7 +382,7 @@ def _budget_rule(plan, rule: Rule, budget: float, progress) -> tuple[Rule, dict]
 def choose_one(plan, rule: Rule, param: str, target: float, progress=None) -> dict:
     """`choose` for one rule and parameter on an existing plan (no bootstrap)."""
     job = engine.Job(rule, param, parse_grid(rule.param(param).grid))
-    t = engine.replay(plan, jobs=[job], progress=progress)
+    t = engine.replay(plan, jobs=[job], progress=progress, final=True)
     values, hits, tokens = tables.job_counts(t, 0)
     s = _Search(job, values.copy(), hits.copy(), tokens)
     for _ in range(7):
@@ -439,7 +441,9 @@ def compare(
     pre = None
     seq_masked: dict[int, np.ndarray] = {}
     if seq_rules:
-        pre = engine.replay(plan, jobs=[engine._single(r) for r in seq_rules], progress=progress)
+        pre = engine.replay(
+            plan, jobs=[engine._single(r) for r in seq_rules], progress=progress, final=True
+        )
         st = pre.seq_stats()
         for k, r in enumerate(seq_rules):
             job = pre.jobs[k]
@@ -606,7 +610,7 @@ def drift(
         else [r for r in default_settings(plan.columns) if r.name in ("ipo", "icepop")]
     )
     jobs = [engine._single(r) for r in chosen]
-    tally = engine.replay(plan, jobs=jobs, by="step", robust=True, progress=progress)
+    tally = engine.replay(plan, jobs=jobs, by="step", robust=True, progress=progress, final=True)
     steps = list(tally.groups)
     order = np.argsort(steps)
     m = tally.metrics.values()

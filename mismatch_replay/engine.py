@@ -40,11 +40,13 @@ engine (distributed.py) is the same Tally computed per file and added up.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -469,6 +471,19 @@ class M2POStore:
         for s in self.step_ids():
             yield s, self.step(s)
 
+    def pop(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """step(s), then forget the step (its memory and files)."""
+        out = self.step(s)
+        n = out[0].shape[0]
+        for part in self.parts.pop(s, []):
+            self.nbytes -= sum(c.nbytes for c in part if c is not None)
+        if self._on_disk.pop(s, None) is not None:
+            for name, _ in self.FIELDS:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._path(s, name))
+        self.tokens -= n
+        return out
+
     def absorb(self, other: M2POStore, gmap: np.ndarray, smap: np.ndarray | None) -> None:
         """Append another store's tokens, mapping its group and sequence ids."""
         if other.tokens == 0:
@@ -496,6 +511,49 @@ class M2POStore:
             self.add(np.full(x.shape[0], s, np.int64), x, mass, g2, seq2)
 
 
+_M2PO_POOL: ThreadPoolExecutor | None = None
+
+
+def _m2po_pool() -> ThreadPoolExecutor:
+    """One thread resolving m2po's completed steps while the replay goes on (apart from the
+    kernel's threads, whose batches must not queue behind it)."""
+    global _M2PO_POOL
+    if _M2PO_POOL is None:
+        _M2PO_POOL = ThreadPoolExecutor(1, thread_name_prefix="mismatch-replay-m2po")
+    return _M2PO_POOL
+
+
+def m2po_resolve(
+    tally: Tally,
+    steps: Iterable[tuple[np.ndarray, ...]],
+    out: dict,
+    seq_bin: dict,
+    G: int,
+    n_seq: int,
+) -> None:
+    """Add whole steps' m2po bins (steps: (l^2, |dp|, group, sequence) each) into out[ji]
+    (_JobBins of G groups) and seq_bin[ji] (each of n_seq sequences' highest bin) for every
+    m2po job ji."""
+    for x, mass, g, seq in steps:
+        inv = tally.inv_n[seq] if tally.inv_n is not None else None
+        for ji, b in out.items():
+            job = tally.jobs[ji]
+            kernels.m2po_step_bins(
+                x,
+                g,
+                mass,
+                seq,
+                inv,
+                job.thresholds[job.order],
+                G,
+                n_seq,
+                b.count,
+                b.mass,
+                b.seqfrac,
+                seq_bin[ji],
+            )
+
+
 # ----------------------------------------------------------------------------- tally
 
 
@@ -514,6 +572,11 @@ class Tally:
     seq: dict[str, _Grow] = field(default_factory=dict)
     seq_max: dict[int, _Grow] = field(default_factory=dict)
     m2po: M2POStore = field(default_factory=M2POStore)
+    # m2po's steps resolved during the replay (seal_m2po): per job, their bins and each
+    # sequence's highest bin; the store keeps the steps not known to be complete yet
+    m2po_done: dict[int, _JobBins] = field(default_factory=dict)
+    m2po_done_seq: dict[int, np.ndarray] = field(default_factory=dict)
+    m2po_sealed: set = field(default_factory=set)  # the steps resolved so far
     # scatter histograms, [q bin, p bin]: linear probability axes and log10 axes
     hist_lin: np.ndarray = field(
         default_factory=lambda: np.zeros((SCATTER_BINS, SCATTER_BINS), np.int64)
@@ -817,6 +880,7 @@ class Tally:
 
     def __getstate__(self):
         self.flush()
+        self.wait_m2po()
         state = dict(self.__dict__)
         state["_fused"] = None
         state["_scratch"] = {}  # per-batch buffers: nothing to ship
@@ -983,11 +1047,80 @@ class Tally:
             acc = self.seq_max.setdefault(ji, _Grow(-1.0))
             acc.ensure(n)
             acc.a[smap] = np.maximum(acc.a[smap], grow.a[:k])
+        clash = (self.m2po_sealed & (t.m2po_sealed | set(t.m2po.step_ids()))) | (
+            t.m2po_sealed & set(self.m2po.step_ids())
+        )
+        if clash:  # m2po ranks a whole step: a step resolved on one side is final there
+            raise ValueError(
+                f"m2po step {min(clash)} is in both Tallies and was resolved in one of them "
+                "during its replay: replay those files together instead of adding Tallies"
+            )
+        self._absorb_sealed_m2po(t, gmap, smap, G, n)
         self.m2po.absorb(t.m2po, gmap, smap if self.has_seq else None)
         self.report += t.report
         self.hist_lin += t.hist_lin
         self.hist_log += t.hist_log
         self.notes = list(dict.fromkeys([*self.notes, *t.notes]))
+
+    def _absorb_sealed_m2po(self, t: Tally, gmap, smap, G: int, n: int) -> None:
+        for ji, theirs in t.m2po_done.items():
+            self._sealed_bins(ji, G, n)
+            mine = self.m2po_done[ji]
+            for name in ("count", "mass", "seqfrac"):
+                a = getattr(theirs, name)
+                if a is not None and a.shape[0]:
+                    np.add.at(getattr(mine, name), gmap[: a.shape[0]], a)
+            sb = t.m2po_done_seq[ji][: smap.shape[0]]
+            acc = self.m2po_done_seq[ji]
+            acc[smap[: sb.shape[0]]] = np.maximum(acc[smap[: sb.shape[0]]], sb)
+        self.m2po_sealed |= t.m2po_sealed
+
+    def _sealed_bins(self, ji: int, G: int, n_seq: int) -> None:
+        """m2po_done[ji] with G groups and m2po_done_seq[ji] with n_seq sequences (at least)."""
+        b = self.m2po_done.get(ji)
+        if b is None:
+            k = len(self.jobs[ji].values)
+            b = self.m2po_done[ji] = _new_bins(k, G, False, self.inv_n is not None)
+        b.grow(G)
+        sb = self.m2po_done_seq.get(ji)
+        if sb is None or sb.shape[0] < n_seq:
+            new = np.full(max(n_seq, 1024, 2 * (0 if sb is None else sb.shape[0])), -1, np.int64)
+            if sb is not None:
+                new[: sb.shape[0]] = sb
+            self.m2po_done_seq[ji] = new
+
+    def seal_m2po(self, below: float, background: bool = False) -> int:
+        """Resolve m2po's steps below `below`, now that every token of them has been added
+        (the caller knows: io.step_bounds); their tokens leave the store, so it holds only
+        the steps in flight. background: resolve them in a thread, alongside the next
+        batches (`wait_m2po` joins it; the next call does too). Returns the steps taken."""
+        self.wait_m2po()
+        todo = [ji for ji, job in enumerate(self.jobs) if job.rule.level == "step"]
+        steps = [s for s in self.m2po.step_ids() if s < below]
+        if not todo or not steps:
+            return 0
+        G = len(self.groups)
+        n_seq = len(self.seq_keys)
+        for ji in todo:
+            self._sealed_bins(ji, G, n_seq)
+        data = [self.m2po.pop(s) for s in steps]
+        out = {ji: self.m2po_done[ji] for ji in todo}
+        seq_bin = {ji: self.m2po_done_seq[ji] for ji in todo}
+        self.m2po_sealed.update(steps)
+        self.version += 1
+        if background:
+            self._m2po_pending = _m2po_pool().submit(
+                m2po_resolve, self, data, out, seq_bin, G, n_seq
+            )
+        else:
+            m2po_resolve(self, data, out, seq_bin, G, n_seq)
+        return len(steps)
+
+    def wait_m2po(self) -> None:
+        """Join a background seal_m2po (its errors are raised here)."""
+        pending = self.__dict__.pop("_m2po_pending", None)
+        if pending is not None:
+            pending.result()
 
     # -- results
     def seq_stats(self) -> SeqStats:
@@ -1077,8 +1210,14 @@ def replay(
     jobs: Sequence[Job] | None = None,
     engine: str = "local",
     ray_address: str | None = None,
+    final: bool = False,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
+
+    `final=True` promises that this Tally will not be added to another: m2po's steps are
+    then resolved during the replay as soon as the rows still to come cannot hold them (from
+    the Parquet row-group statistics of the step column), so its store keeps only the steps
+    in flight instead of every token (sweep() and the CLI pass it).
 
     `match="prime-rl"` reproduces prime-rl's logging conventions: zero-advantage tokens are
     left out of everything, and the table gains `is_masked_mean`, the mean over sequences of
@@ -1157,16 +1296,27 @@ def replay(
     tally.notes = notes
     total = sum(plan.rows)
     dropped_zero = 0
+    # m2po's steps are resolved as soon as the rows still to come cannot hold them (sorted
+    # logs: one step at a time, so its store stays small); None: all at the end
+    m2po = final and any(j.rule.level == "step" for j in jobs)
+    bounds = io.step_bounds(plan) if m2po else None
+    report = tally.report
     with _plain_pages():
-        for _, df in _prefetch(io.iter_batches(plan, cols, tally.report)):
+        batches = ((df, report.rows) for _, df in io.iter_batches(plan, cols, report))
+        for df, rows in _prefetch(batches):  # rows: raw rows read up to this batch
             if keep is not None:
                 before = df.height
                 df = keep(df)
                 dropped_zero += before - df.height
             if df.height:
                 tally.add_batch(df)
+            if bounds is not None:
+                done = bisect.bisect_right(bounds[0], rows)  # row groups read to their end
+                if done:
+                    tally.seal_m2po(bounds[1][done - 1], background=True)
             if progress is not None:
                 progress(tally.report.rows, total)
+        tally.wait_m2po()
     check_loss_tokens(plan, tally)
     if match is not None:
         tally.notes.append(
@@ -1291,7 +1441,8 @@ def _prefetch(batches: Iterator, depth: int = 2) -> Iterator:
 
 
 def sweep(*args, **kwargs) -> SweepResult:
-    """`replay(...)` then the sweep table (see `replay` for the arguments)."""
+    """`replay(..., final=True)` then the sweep table (see `replay` for the arguments)."""
+    kwargs.setdefault("final", True)
     tally = replay(*args, **kwargs)
     res = tally.result()
     res.notes = list(tally.notes)

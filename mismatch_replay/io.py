@@ -307,6 +307,48 @@ def row_group_rows(path: Path) -> list[int]:
     return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
 
 
+def step_bounds(plan: Plan) -> tuple[list[int], list[float]] | None:
+    """(ends, floor): after `ends[k]` raw rows of the plan (its files in order) every row
+    still to come has a step >= floor[k]; floor[-1] = inf. From Parquet row-group statistics
+    of the step column (or each file's hive step); None when a file cannot tell (other
+    formats, row-group shards, statistics missing or not integers). The local engine uses it
+    to resolve m2po's steps as soon as they are complete (engine.Tally.seal_m2po)."""
+    if plan.format != "parquet" or any(part is not None for part in plan.row_groups):
+        return None
+    src = plan.source.get("step")
+    ends: list[int] = []
+    mins: list[float] = []
+    total = 0
+    for i, path in enumerate(plan.files):
+        try:
+            meta = pq.ParquetFile(_open(path)).metadata
+        except (OSError, pa.ArrowException):
+            return None
+        col = None
+        if src is not None:
+            names = [meta.schema.column(j).path for j in range(meta.num_columns)]
+            if src not in names:
+                return None
+            col = names.index(src)
+        fixed = plan.file_steps[i] if i < len(plan.file_steps) else None
+        for r in range(meta.num_row_groups):
+            rg = meta.row_group(r)
+            if col is None:
+                low = fixed or 0
+            else:
+                st = rg.column(col).statistics
+                if st is None or not st.has_min_max or not isinstance(st.min, int):
+                    return None
+                low = st.min
+            total += rg.num_rows
+            ends.append(total)
+            mins.append(float(low))
+    floor = [math.inf] * len(mins)
+    for k in range(len(mins) - 2, -1, -1):
+        floor[k] = min(mins[k + 1], floor[k + 1])
+    return ends, floor
+
+
 def _open(path: Path):
     """What pyarrow's Parquet reader opens: a local path, or a remote file's stream."""
     if isinstance(path, RemotePath):

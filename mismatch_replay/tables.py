@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from . import kernels
-from .engine import Job, Tally, _accumulate, _bins, _JobBins, _new_bins
+from .engine import Job, Tally, _accumulate, _bins, _JobBins, _new_bins, m2po_resolve
 from .rules import LOG_CLAMP
 
 COLUMNS = (
@@ -115,8 +115,9 @@ def m2po_scores(tally: Tally) -> dict[str, np.ndarray]:
 
 
 def _m2po_bins(tally: Tally) -> dict[int, _JobBins]:
-    """Bins of every m2po job, resolved step by step from the tally's M2POStore (memory: one
-    step per thread), steps spread over the threads; cached until the tally changes."""
+    """Bins of every m2po job: the steps resolved during the replay (Tally.seal_m2po) plus
+    the tally's M2POStore, resolved step by step (memory: one step per thread), steps spread
+    over the threads; cached until the tally changes."""
     cached = getattr(tally, "_m2po_cache", None)
     if cached is not None and cached[0] == tally.version:
         return cached[1]
@@ -130,25 +131,7 @@ def _m2po_bins(tally: Tally) -> dict[int, _JobBins]:
     def work(part: list[int]):
         out = {ji: _new_bins(len(job.values), G, False, matching) for ji, job in todo.items()}
         seq_bin = {ji: np.full(max(n_seq, 1), -1, np.int64) for ji in todo}
-        for s in part:
-            x, mass, g, seq = tally.m2po.step(s)
-            inv = tally.inv_n[seq] if matching else None
-            for ji, job in todo.items():
-                b = out[ji]
-                kernels.m2po_step_bins(
-                    x,
-                    g,
-                    mass,
-                    seq,
-                    inv,
-                    job.thresholds[job.order],
-                    G,
-                    n_seq,
-                    b.count,
-                    b.mass,
-                    b.seqfrac,
-                    seq_bin[ji],
-                )
+        m2po_resolve(tally, (tally.m2po.step(s) for s in part), out, seq_bin, G, n_seq)
         return out, seq_bin
 
     if nt == 1:
@@ -156,13 +139,18 @@ def _m2po_bins(tally: Tally) -> dict[int, _JobBins]:
     else:
         parts = list(kernels._executor(nt).map(work, [steps[t::nt] for t in range(nt)]))
     out, seq_bin = parts[0]
-    for o, sb in parts[1:]:
+    sealed = []  # steps resolved during the replay
+    if any(ji in tally.m2po_done for ji in todo):
         for ji in todo:
-            out[ji].count += o[ji].count
-            out[ji].mass += o[ji].mass
+            tally._sealed_bins(ji, G, n_seq)
+        sealed = [(tally.m2po_done, tally.m2po_done_seq)]
+    for o, sb in [*parts[1:], *sealed]:
+        for ji in todo:
+            out[ji].count += o[ji].count[:G]
+            out[ji].mass += o[ji].mass[:G]
             if matching:
-                out[ji].seqfrac += o[ji].seqfrac
-            np.maximum(seq_bin[ji], sb[ji], out=seq_bin[ji])
+                out[ji].seqfrac += o[ji].seqfrac[:G]
+            np.maximum(seq_bin[ji], sb[ji][: seq_bin[ji].shape[0]], out=seq_bin[ji])
     if tally.has_seq:
         for ji, job in todo.items():
             out[ji].seq_count = _seq_count(tally, seq_bin[ji][:n_seq], len(job.values) + 2, G)

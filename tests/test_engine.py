@@ -5,6 +5,7 @@ extreme logs."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import brute
 import numpy as np
@@ -23,7 +24,7 @@ from conftest import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, io
+from mismatch_replay import engine, io, kernels
 from mismatch_replay.errors import DataError, UsageError
 from mismatch_replay.rules import REGISTRY
 
@@ -451,3 +452,125 @@ def test_huge_ratio_is_masked_not_nan(tmp_path):
     assert w["truncated_tokens"].to_list() == [3, 3]
     assert w["weight_mean"].to_list() == pytest.approx([2.0, 2.0])
     assert not math.isnan(w["weight_ess"][0])
+
+
+# ----------------------------------------------------------------------------- m2po on the way
+
+
+def _row_grouped(path, df: pl.DataFrame, rows: int, stats: bool = True):
+    import pyarrow.parquet as pq
+
+    pq.write_table(df.to_arrow(), path, row_group_size=rows, write_statistics=stats)
+    return path
+
+
+def _floors_from_rows(steps: np.ndarray, rows: int) -> tuple[list[int], list[float]]:
+    """Brute force from the rows themselves: after each row group, the least step to come."""
+    ends = [*range(rows, steps.size, rows), steps.size]
+    floors = [float(steps[e:].min()) if e < steps.size else math.inf for e in ends]
+    return ends, floors
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_step_bounds_come_from_row_group_statistics(tmp_path, order):
+    rng = np.random.default_rng(31)
+    df = random_log(rng, steps=5, seqs=4, max_len=12)
+    if order == "shuffled":  # a step's rows in several row groups, out of order
+        df = df.sample(fraction=1.0, shuffle=True, seed=3)
+    a = _row_grouped(tmp_path / "a.parquet", df.head(70), 16)
+    b = _row_grouped(tmp_path / "b.parquet", df.slice(70), 25)
+    ends, floors = io.step_bounds(io.plan_sources([a, b]))
+    e1, f1 = _floors_from_rows(df["step"].to_numpy()[:70], 16)
+    e2, f2 = _floors_from_rows(df["step"].to_numpy()[70:], 25)
+    rest = float(df["step"].to_numpy()[70:].min())
+    assert ends == [*e1, *(70 + e for e in e2)]
+    assert floors == [*(min(f, rest) for f in f1), *f2]
+
+
+def test_step_bounds_unknown_without_statistics_or_parquet(tmp_path):
+    df = random_log(np.random.default_rng(32), steps=3, seqs=3)
+    bare = _row_grouped(tmp_path / "bare.parquet", df, 10, stats=False)
+    assert io.step_bounds(io.plan_sources([bare])) is None
+    jl = tmp_path / "log.jsonl"
+    jl.write_text("\n".join(df.drop("env").write_ndjson().splitlines()) + "\n")
+    assert io.step_bounds(io.plan_sources([jl])) is None
+    hive = tmp_path / "hive"
+    for s in (2, 1):  # no step column: the directories' steps, in the plan's file order
+        write_log(hive / f"step={s}" / "part.parquet", df.filter(pl.col("step") == s).drop("step"))
+    plan = io.plan_sources([hive])
+    ends, floors = io.step_bounds(plan)
+    steps = list(plan.file_steps)
+    assert floors == [float(min(steps[1:])), math.inf] and ends[-1] == sum(plan.rows)
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+@pytest.mark.parametrize("by", [None, "step"])
+def test_final_replay_resolves_m2po_steps_on_the_way(tmp_path, order, by, monkeypatch):
+    """final=True: steps leave m2po's store as soon as the row-group statistics say no row to
+    come holds them; the table is the same as resolving everything at the end."""
+    rng = np.random.default_rng(33)
+    df = random_log(rng, steps=6, seqs=5, max_len=20).sort("step", maintain_order=True)
+    if order == "shuffled":
+        df = df.sample(fraction=1.0, shuffle=True, seed=5)
+    path = _row_grouped(tmp_path / "log.parquet", df, 40)
+    rules = ["m2po", "ipo", "seq-mis"]
+    sweeps = {"m2po.tau": "0.0001:1:60:log"}
+    opts = io.ReadOptions(batch_rows=33)  # batches end inside row groups
+    kw = dict(rules=rules, sweeps=sweeps, by=by, options=opts)
+    at_end = engine.replay([path], **kw)
+    held = []  # tokens in the store at each resolution that took steps
+    seal = engine.Tally.seal_m2po
+
+    def spy(self, below, background=False):
+        tokens = self.m2po.tokens
+        if seal(self, below, background):
+            held.append(tokens)
+        return 0
+
+    monkeypatch.setattr(engine.Tally, "seal_m2po", spy)
+    on_way = engine.replay([path], **kw, final=True)
+    assert not at_end.m2po_sealed and at_end.m2po.tokens == at_end.report.loss_rows > 0
+    if order == "sorted":  # resolved in waves, the store never holding the whole log
+        assert len(held) >= 3 and max(held) < at_end.m2po.tokens
+    assert len(on_way.m2po_sealed) == 6 and on_way.m2po.tokens == 0  # all, by the end
+    keys = ("rule", "setting", "param", "value", *([by] if by else []))
+    assert_tables_equal(at_end.result().table, on_way.result().table, keys=keys)
+    with kernels.use_backend("numpy"):
+        simple = engine.replay([path], **kw, final=True)
+    assert_tables_equal(simple.result().table, on_way.result().table, keys=keys)
+
+
+def test_final_replay_with_prime_rl_matching(tmp_path):
+    df = random_log(np.random.default_rng(34), steps=4, seqs=5).sort("step", maintain_order=True)
+    path = _row_grouped(tmp_path / "log.parquet", df, 30)
+    kw = dict(rules=["m2po"], match="prime-rl", options=io.ReadOptions(batch_rows=25))
+    a = engine.replay([path], **kw).result().table
+    b = engine.replay([path], **kw, final=True).result().table
+    assert b["is_masked_mean"].is_not_null().any()
+    assert_tables_equal(a, b, keys=("rule", "setting", "param", "value"))
+
+
+def test_adding_final_tallies(tmp_path):
+    df = random_log(np.random.default_rng(35), steps=4, seqs=4).sort("step", maintain_order=True)
+    early = _row_grouped(tmp_path / "a.parquet", df.filter(pl.col("step") < 2), 20)
+    late = _row_grouped(tmp_path / "b.parquet", df.filter(pl.col("step") >= 2), 20)
+    kw = dict(rules=["m2po", "ipo"], options=io.ReadOptions(batch_rows=15))
+    both = engine.replay([early, late], **kw).result().table
+    added = engine.replay([early], **kw, final=True) + engine.replay([late], **kw, final=True)
+    assert_tables_equal(both, added.result().table, keys=("rule", "setting", "param", "value"))
+    # a step resolved in one Tally cannot take more tokens from another
+    again = engine.replay([early], **kw)
+    with pytest.raises(ValueError, match="replay those files together"):
+        engine.replay([early], **kw, final=True) + again
+
+
+def test_final_replay_resolves_spilled_m2po_steps(tmp_path, monkeypatch):
+    df = random_log(np.random.default_rng(36), steps=5, seqs=4).sort("step", maintain_order=True)
+    path = _row_grouped(tmp_path / "log.parquet", df, 30)
+    kw = dict(rules=["m2po"], options=io.ReadOptions(batch_rows=20))
+    base = engine.replay([path], **kw).result().table
+    monkeypatch.setenv("MISMATCH_REPLAY_M2PO_MEMORY", "0.0005")  # ~500 bytes: spills
+    t = engine.replay([path], **kw, final=True)
+    assert t.m2po.spilled_tokens > 0 and t.m2po.tokens == 0 and not t.m2po._on_disk
+    assert not any(Path(t.m2po._dir.name).iterdir())  # resolved steps' files are gone
+    assert_tables_equal(base, t.result().table, keys=("rule", "setting", "param", "value"))
