@@ -15,14 +15,14 @@ cap follow exactly (a truncated token's weight is the cap itself).
 
 Two paths fill the same bins (kernels.py): the *fused* one (numba) bins each token's four
 coordinates (dp, l, a binary KL per clamp) once for every known token job, with the metrics,
-the scatter and the sequence sums, in one loop over a batch split over the cores (~150 ns a
+the scatter and the sequence sums, in one loop over a batch split over the cores (~115 ns a
 token on one core for the default sweep's 22 token jobs, vs ~3.5 us for the simple path); the
 tokens it cannot settle (ties with a threshold) come back in `BatchOut.flagged` and take the
 simple path here. The *simple* one is numpy, rule by rule (`rule.score()`,
 `np.searchsorted`, `np.bincount`), the reference the fused path is tested against, and what
 runs without numba. Batches are read ahead in a background thread (`_prefetch`), so Parquet
-decoding overlaps the kernel. On 20M tokens and 2 cores the default sweep takes 3.5-4.6 s
-(benchmarks/README.md).
+decoding overlaps the kernel. On 20M tokens and 2 cores the default sweep takes 2.8-3.0 s in
+a warm process, 3.6-4.0 s in a fresh one (benchmarks/README.md).
 
 Sequence rules need whole sequences, which may be spread over batches and files. The engine
 therefore keeps per-sequence sums (`SeqStats`: token count, sum of l, sum of k3, max k2,
@@ -31,11 +31,13 @@ scores sequences once at the end. For token rules it also keeps each sequence's 
 so that every rule reports how many sequences it touches. `m2po` ranks each step's tokens: the
 `M2POStore` keeps 24 bytes a token per step, in memory up to a cap (768 MiB) and on disk
 beyond it, and tables.py resolves one step at a time, so memory stays bounded by the cap plus
-the largest step.
+the largest step; with `final=True` (sweep, the CLI) a step is resolved during the replay as
+soon as the Parquet row-group statistics rule out more of its rows (`Tally.seal_m2po`).
 
 Every piece of a Tally is a sum, a max or a min, so `Tally + Tally` merges shards exactly:
 the counts do not depend on how the log is split into files, batches or threads, and the Ray
-engine (distributed.py) is the same Tally computed per file and added up.
+engine (distributed.py) is the same Tally computed per file and added up (a step that m2po
+resolved in one Tally cannot take tokens from another: adding them is refused).
 """
 
 from __future__ import annotations
@@ -372,6 +374,12 @@ class M2POStore:
     its own files in a temporary directory and `steps()` loads one step at a time, so memory
     is bounded by the cap plus the largest step whatever the log's size (disk: the same
     24-28 bytes a token). Tallies merge by appending (the other's tokens come after).
+
+    A replay with final=True (sweep(), the CLI) empties it as it goes: once the Parquet
+    row-group statistics of the step column say that no row still to come holds a step
+    (io.step_bounds), the step is popped and resolved (Tally.seal_m2po, in a thread beside
+    the replay), so a log sorted by step keeps only the steps in flight: 0.6 GiB peak at
+    20M tokens instead of 1.0, 0.8 GiB at 200M instead of 1.45 and no spill to disk.
     """
 
     FIELDS = (("x", np.float64), ("mass", np.float64), ("g", np.int32), ("seq", np.int64))

@@ -40,14 +40,23 @@ vectorise. Real logs put almost no token in a window (4 of 20M in the benchmark 
 Binning a coordinate is direct indexing: the value's order-preserving 64-bit key, with the
 ~2000 binades of tiny values squeezed out (`make_coord_binner`: |x| below half the smallest
 critical point bins without the table, far outliers such as the 1.9e154 where l^2/2
-overflows are scanned) indexes a table of 8192 buckets holding 0-2 edges each almost always;
-two branch-free comparisons settle the bin.
+overflows are scanned) indexes a table of 16384 buckets (`flag_lut`, uint16): a bucket
+without an edge holds its bin, so most tokens take one load and no comparison (4-5 ns vs
+~12 for comparing with the bucket's edges, measured in isolation); a flagged bucket (2-9%
+of tokens here) compares the value with its few edges.
+
+The kernels that loop over tokens (`coord_pass`, `m2po_step`) are compiled without numba's
+reference counting and allocate nothing (their scratch comes from the caller): numba put
+atomic increments and decrements of the arrays' reference counts around every token's
+additions (inlined helpers with branches defeat its pruning), which cost more than the
+additions, and more still with two threads sharing the arrays.
 
 Per token, in blocks of 512: p, q, |dp|, the clamped ratio, k3 and the binary KLs in
 vectorised loops (~1.5-2 ns per exp/expm1/log on AVX2); metrics, sequence sums and m2po's
-inputs one token at a time; then each coordinate's binning and sums. About 120-150 ns a token
-on one core for the whole default sweep, vs ~300 ns for the previous per-rule kernel and
-3.5 us for the simple path. Metric maxima are exact (a candidate within 1e-13 of the
+inputs one token at a time; then each coordinate's binning and sums. About 110-120 ns a
+token on one core for the whole default sweep (~50 with one coordinate; sequences add ~20),
+vs ~155 before the two changes above, ~300 for the previous per-rule kernel and 3.5 us for
+the simple path. Metric maxima are exact (a candidate within 1e-13 of the
 running max is recomputed with the C library), and so is the scatter (a p or q within 1e-9
 of a bin edge is recomputed); sums differ from the simple path's in the last bits.
 
