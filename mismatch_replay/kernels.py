@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import math
 import os
 import threading
@@ -1018,6 +1019,7 @@ class Fused:
     """
 
     MIN_CHUNK = 1 << 15  # tokens per thread below which a batch is not split
+    CHUNKS_PER_THREAD = 4
 
     def __init__(self, program: Program, seqfrac: bool, nthreads: int | None = None):
         self.p = program
@@ -1133,7 +1135,10 @@ class Fused:
         sq_sum = np.zeros((nt, m + PAD, 6))
         sq_mx = np.full((nt, m + PAD), -math.inf)
         sq_mn = np.full((nt, m + PAD), math.inf)
-        sq_first = np.full((nt, m + PAD), -1, np.int64)
+        # chunks taken by whichever thread is free (the reader and m2po's thread share the
+        # cores: fixed halves left one thread waiting for the other, ~20 ms a batch)
+        nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
+        sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
         m2x = np.empty(n) if m2po else _E1
         m2m = np.empty(n) if m2po else _E1
         flags = np.array(
@@ -1157,12 +1162,19 @@ class Fused:
         sl = _ro(seq_local, np.int64) if has_seq else _ro(_EI1, np.int64)
         invn = _ro(inv_n, np.float64) if flags[3] else _ro(_E1, np.float64)
         ent = _ro(entropy, np.float64) if entropy is not None else _ro(_E1, np.float64)
-        bounds = np.linspace(0, n, nt + 1).astype(np.int64)
+        bounds = np.linspace(0, n, nch + 1).astype(np.int64)
+        chunks = itertools.count()  # next() is atomic under the GIL
 
         def call(t: int) -> int:
+            err = 0
+            while (c := next(chunks)) < nch:
+                err |= chunk(t, c)
+            return err
+
+        def chunk(t: int, c: int) -> int:
             return j.coord_pass(
-                bounds[t],
-                bounds[t + 1],
+                bounds[c],
+                bounds[c + 1],
                 lp,
                 lq,
                 adv_a,
@@ -1211,7 +1223,7 @@ class Fused:
                 sq_sum[t],
                 sq_mx[t],
                 sq_mn[t],
-                sq_first[t],
+                sq_first[c],
                 m2x,
                 m2m,
                 *self._scratch(t, p.clamps.shape[0]),
@@ -1225,8 +1237,8 @@ class Fused:
         if any(errs):
             raise AssertionError("internal error: a rule produced NaN scores")
         first = sq_first[0, :m].copy()
-        for t in range(1, nt):  # the first token in input order: the lowest chunk wins
-            first = np.where(first < 0, sq_first[t, :m], first)
+        for c in range(1, nch):  # the first token in input order: the lowest chunk wins
+            first = np.where(first < 0, sq_first[c, :m], first)
         nf = nflag[:, :nc].sum(axis=0)
         flagged = [(c, np.flatnonzero(tflag & np.uint32(1 << c))) for c in range(nc) if nf[c] > 0]
         self.flagged_tokens += int(nf.sum())

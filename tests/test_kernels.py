@@ -223,13 +223,15 @@ def test_threads_split_a_batch_without_changing_counts(tmp_path):
     kernels.Fused.MIN_CHUNK = 1
     try:
         res = {}
-        for t in (1, 2, 5):
-            with env(MISMATCH_REPLAY_THREADS=t):
-                res[t] = engine.sweep([path], by="step")
+        for t in (1, 2, 5):  # 1, 8 and 20 chunks taken by whichever thread is free
+            for by in ("step", "q_bucket"):  # q_bucket: a sequence's first token decides
+                with env(MISMATCH_REPLAY_THREADS=t):
+                    res[t, by] = engine.sweep([path], by=by)
     finally:
         kernels.Fused.MIN_CHUNK = old
     for t in (2, 5):
-        _assert_same(res[t], res[1], "step", split=True)
+        for by in ("step", "q_bucket"):
+            _assert_same(res[t, by], res[1, by], by, split=True)
 
 
 @needs_numba
