@@ -277,7 +277,8 @@ def coord_pass(
     sqf = _flat(sq_sum)
     B = BLOCK
     # scratch rows from the caller (no allocation here: the kernel is compiled without
-    # reference counting, whose atomic increments in the token loops cost ~40 ns a token)
+    # reference counting, whose atomic increments around every token's additions cost more
+    # than the additions; kernels.py's docstring)
     b_l = fs[0]
     b_adp = fs[1]
     b_dp = fs[2]

@@ -1075,9 +1075,9 @@ class Tally:
             self._sealed_bins(ji, G, n)
             mine = self.m2po_done[ji]
             for name in ("count", "mass", "seqfrac"):
-                a = getattr(theirs, name)
-                if a is not None and a.shape[0]:
-                    np.add.at(getattr(mine, name), gmap[: a.shape[0]], a)
+                a, into = getattr(theirs, name), getattr(mine, name)
+                if a is not None and into is not None and a.shape[0]:
+                    np.add.at(into, gmap[: a.shape[0]], a)
             sb = t.m2po_done_seq[ji][: smap.shape[0]]
             acc = self.m2po_done_seq[ji]
             acc[smap[: sb.shape[0]]] = np.maximum(acc[smap[: sb.shape[0]]], sb)
