@@ -1010,6 +1010,8 @@ class Tally:
     def _absorb(self, t: Tally) -> None:
         self.flush()
         t.flush()
+        self.wait_m2po()
+        t.wait_m2po()
         self.version += 1
         gmap = []
         for v in t.groups:
