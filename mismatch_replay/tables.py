@@ -180,8 +180,8 @@ def _frac(num: np.ndarray, den: np.ndarray) -> np.ndarray:
         return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
 
 
-def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
-    """Rows of one job: every value x group."""
+def _job_columns(tally: Tally, ji: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One job's (group, value) arrays, and each cell's group index."""
     job = tally.jobs[ji]
     rule = job.rule
     bins = job_bins(tally, ji)
@@ -217,7 +217,13 @@ def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
     if weight:
         wm, wx, we = _weight_stats(bins, job, inv)
         cols["weight_mean"], cols["weight_max"], cols["weight_ess"] = wm, wx, we
-    df = _to_frame(tally, job, cols, gi)
+    return cols, gi
+
+
+def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
+    """Rows of one job: every value x group."""
+    cols, gi = _job_columns(tally, ji)
+    df = _frame(_job_data(tally, tally.jobs[ji], cols, gi))
     return df.sort([tally.by, "value"]) if tally.by is not None else df
 
 
@@ -249,7 +255,8 @@ def _weight_stats(bins: _JobBins, job: Job, inv: np.ndarray):
     return mean[:, inv], np.where(n > 0, out_max[:, inv], np.nan), ess[:, inv]
 
 
-def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFrame:
+def _job_data(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> dict[str, object]:
+    """One job's table columns (arrays and lists), before they become a frame."""
     G, K = gi.shape
     rule = job.rule
     flat = {k: np.asarray(v).reshape(-1) for k, v in cols.items()}
@@ -290,6 +297,10 @@ def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFram
     data["kind"] = [rule.kind] * n_rows
     specs = {v: rule.replace(**{param: v}).spec() for v in set(flat["value"].tolist())}
     data["spec"] = [specs[v] for v in flat["value"].tolist()]  # once per value, not per group
+    return data
+
+
+def _frame(data: dict[str, object]) -> pl.DataFrame:
     df = pl.DataFrame(data)
     # NaN means "undefined" here: store it as null so JSON/CSV never carry NaN.
     df = df.with_columns(
@@ -302,28 +313,43 @@ def _to_frame(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> pl.DataFram
 
 
 def sweep_table(tally: Tally) -> pl.DataFrame:
-    """The long table of every job, in job order, values ascending, then group. m2po's
-    steps are resolved in a background thread (numba and numpy's sort, no GIL held) while
-    the other jobs' rows are built (Python and polars)."""
+    """The long table of every job, in job order, values ascending, then group: one frame
+    built from every job's columns at once. m2po's steps are resolved in a background
+    thread (numba and numpy's sort, no GIL held) while the other jobs' columns are built."""
     tally.flush()
     m2po = None
     if any(job.rule.level == "step" for job in tally.jobs):
         m2po = ThreadPoolExecutor(1, thread_name_prefix="mismatch-replay-m2po")
         pending = m2po.submit(_m2po_bins, tally)
     try:
-        frames: list[pl.DataFrame | None] = [
-            None if job.rule.level == "step" else job_frame(tally, ji)
+        parts: list = [
+            None if job.rule.level == "step" else _job_columns(tally, ji)
             for ji, job in enumerate(tally.jobs)
         ]
         if m2po is not None:
-            pending.result()  # cached on the tally: job_frame finds it there
-            frames = [job_frame(tally, ji) if f is None else f for ji, f in enumerate(frames)]
+            pending.result()  # cached on the tally: _job_columns finds it there
+            parts = [_job_columns(tally, ji) if p is None else p for ji, p in enumerate(parts)]
     finally:
         if m2po is not None:
             m2po.shutdown(wait=True)
-    if not frames:
+    if not parts:
         return pl.DataFrame()
-    df = pl.concat(frames, how="vertical_relaxed")
+    datas = [_job_data(tally, job, *p) for job, p in zip(tally.jobs, parts, strict=True)]
+    data = {}
+    for k in datas[0]:
+        cols = [d[k] for d in datas]
+        if isinstance(cols[0], list):
+            data[k] = [v for c in cols for v in c]
+        else:
+            data[k] = np.concatenate([np.asarray(c) for c in cols])
+    df = _frame(data)
+    if tally.by is not None:  # within each job: by group, then value
+        job = np.repeat(np.arange(len(datas)), [len(d["spec"]) for d in datas])
+        df = (
+            df.with_columns(pl.Series("_job", job))
+            .sort(["_job", tally.by, "value"], maintain_order=True)
+            .drop("_job")
+        )
     return df
 
 
