@@ -574,3 +574,15 @@ def test_final_replay_resolves_spilled_m2po_steps(tmp_path, monkeypatch):
     assert t.m2po.spilled_tokens > 0 and t.m2po.tokens == 0 and not t.m2po._on_disk
     assert not any(Path(t.m2po._dir.name).iterdir())  # resolved steps' files are gone
     assert_tables_equal(base, t.result().table, keys=("rule", "setting", "param", "value"))
+
+
+@pytest.mark.parametrize("by", [None, "step", "env"])
+def test_sweep_table_is_every_job_frame_in_order(tmp_path, by):
+    """The table is built from every job's columns at once: the same rows, order and types as
+    each job's own frame, one after another."""
+    from mismatch_replay import tables
+
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(37), steps=3))
+    t = engine.replay([path], by=by, final=True)
+    frames = [tables.job_frame(t, ji) for ji in range(len(t.jobs))]
+    assert tables.sweep_table(t).equals(pl.concat(frames, how="vertical_relaxed"))
