@@ -523,8 +523,9 @@ _M2PO_POOL: ThreadPoolExecutor | None = None
 
 
 def _m2po_pool() -> ThreadPoolExecutor:
-    """One thread resolving m2po's completed steps while the replay goes on (apart from the
-    kernel's threads, whose batches must not queue behind it)."""
+    """One thread resolving m2po's steps apart from the kernel's threads (whose batches must
+    not queue behind it): completed steps during the replay, the rest while tables.py builds
+    the other jobs' columns."""
     global _M2PO_POOL
     if _M2PO_POOL is None:
         _M2PO_POOL = ThreadPoolExecutor(1, thread_name_prefix="mismatch-replay-m2po")

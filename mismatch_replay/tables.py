@@ -18,13 +18,20 @@ Undefined values (no sequences in the log, a weight statistic of a mask rule) ar
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import polars as pl
 
 from . import kernels
-from .engine import Job, Tally, _accumulate, _bins, _JobBins, _new_bins, m2po_resolve
+from .engine import (
+    Job,
+    Tally,
+    _accumulate,
+    _bins,
+    _JobBins,
+    _m2po_pool,
+    _new_bins,
+    m2po_resolve,
+)
 from .rules import LOG_CLAMP
 
 COLUMNS = (
@@ -317,21 +324,17 @@ def sweep_table(tally: Tally) -> pl.DataFrame:
     built from every job's columns at once. m2po's steps are resolved in a background
     thread (numba and numpy's sort, no GIL held) while the other jobs' columns are built."""
     tally.flush()
-    m2po = None
-    if any(job.rule.level == "step" for job in tally.jobs):
-        m2po = ThreadPoolExecutor(1, thread_name_prefix="mismatch-replay-m2po")
-        pending = m2po.submit(_m2po_bins, tally)
-    try:
-        parts: list = [
-            None if job.rule.level == "step" else _job_columns(tally, ji)
-            for ji, job in enumerate(tally.jobs)
-        ]
-        if m2po is not None:
-            pending.result()  # cached on the tally: _job_columns finds it there
-            parts = [_job_columns(tally, ji) if p is None else p for ji, p in enumerate(parts)]
-    finally:
-        if m2po is not None:
-            m2po.shutdown(wait=True)
+    tally.wait_m2po()
+    pending = None
+    if any(job.rule.level == "step" for job in tally.jobs):  # the replay's m2po thread
+        pending = _m2po_pool().submit(_m2po_bins, tally)
+    parts: list = [
+        None if job.rule.level == "step" else _job_columns(tally, ji)
+        for ji, job in enumerate(tally.jobs)
+    ]
+    if pending is not None:
+        pending.result()  # cached on the tally: _job_columns finds it there
+        parts = [_job_columns(tally, ji) if p is None else p for ji, p in enumerate(parts)]
     if not parts:
         return pl.DataFrame()
     datas = [_job_data(tally, job, *p) for job, p in zip(tally.jobs, parts, strict=True)]
