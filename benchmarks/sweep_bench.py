@@ -12,6 +12,12 @@ What is measured, each in a fresh subprocess (so that its peak RSS is its own), 
                engine can replay a log faster than it can read it (the issue's scan floor).
   floor5       the same for the five columns the full sweep reads (log-probs, step,
                sample_id, advantage): the floor of this particular sweep.
+  read5        the engine's own reader (plan, read-ahead thread, validation) over those five
+               columns, nothing computed: what `ours` pays before its first exp.
+  bound        `read5` plus the per-token arithmetic every output is made of (p, q, |dp|,
+               the clamped ratio, k3, a binary-KL pair) with the kernel's vectorised
+               exp/log, on both cores, after numba's start: a lower bound for `ours-warm`
+               (_bound.py).
   ours         `engine.sweep(file)`: every rule the log supports over its default grid (>= 100
                values each: 22 token jobs, m2po, 10 sequence jobs), the metrics, the scatter.
   ours-warm    `ours` in a process that has run a small sweep first: numba imported and
@@ -203,6 +209,10 @@ def _child(name: str, path: str, arg: str | None) -> None:
         out = _floor(path, FIVE[:2])
     elif name == "floor5":
         out = _floor(path, FIVE)
+    elif name in ("read5", "bound"):
+        from _bound import run
+
+        out = run(path, compute=name == "bound")
     elif name in ("ours", "ours-1t", "simple"):
         out = _ours(path)
     elif name == "ours-warm":
@@ -298,6 +308,8 @@ def main() -> None:
     rows["floor"] = _best("floor", path, repeat)
     if not a.memory_only:
         rows["floor5"] = _best("floor5", path, repeat)
+        rows["read5"] = _best("read5", path, repeat)
+        rows["bound"] = _best("bound", path, repeat)
     rows["ours"] = _best("ours", path, repeat)
     if not a.memory_only:
         rows["ours-warm"] = _best("ours-warm", path, repeat)
@@ -338,6 +350,12 @@ def main() -> None:
     if "tokens-only" in rows:
         extra = rows["ours"]["seconds"] - rows["tokens-only"]["seconds"]
         print(f"sequence rules add {extra:.2f} s = {extra / floor:.1f}x floor")
+    if "bound" in rows:
+        b = rows["bound"]["seconds"]
+        print(
+            f"bound (reading + unavoidable arithmetic, warm) = {b / floor:.1f}x floor; "
+            f"ours-warm = {rows['ours-warm']['seconds'] / b:.1f}x bound"
+        )
     if "ours-1t" in rows:
         print(f"2 threads vs 1: {rows['ours-1t']['seconds'] / rows['ours']['seconds']:.2f}x")
     if ray_match is not None:

@@ -56,6 +56,7 @@ import numpy as np
 import polars as pl
 
 from . import io, kernels
+from ._recycle import Recycler
 from .errors import DataError, UsageError
 from .metrics import MetricSums
 from .rules import (
@@ -623,6 +624,7 @@ class Tally:
         self._fused: kernels.Fused | None = None  # the fused path's accumulators
         self._fused_off = False  # numpy backend or bootstrap: the simple path only
         self._scratch: dict[str, np.ndarray] = {}
+        self._bufs = Recycler()  # arrays m2po's store keeps a while (sequence ids)
         self.version = 0  # bumped by every change (tables caches m2po bins on it)
 
     # -- groups and sequences
@@ -631,7 +633,11 @@ class Tally:
             if not self.groups:
                 self.groups.append(None)
                 self._gidx[None] = 0
-            return np.zeros(df.height, dtype=np.int64)
+            z = self._scratch.get("zeros")  # one read-only array of zeros: a fresh one per
+            if z is None or z.shape[0] < df.height:  # batch cost a page fault per 512 tokens
+                z = self._scratch["zeros"] = np.zeros(max(df.height, 1), dtype=np.int64)
+                z.flags.writeable = False
+            return z[: df.height]
         if self.by == "q_bucket":
             q = np.exp(df["inference_logprob"].to_numpy())
             col = pl.Series("q_bucket", np.asarray(Q_BUCKET_EDGES)[_bucket(q)])
@@ -693,13 +699,22 @@ class Tally:
                 gid = len(seq_keys)
                 seq_keys[key] = gid
             gid_of_run[i] = gid
+        k = gid_of_run.shape[0]
+        in_order = run is not None and k and gid_of_run[-1] - gid_of_run[0] == k - 1
+        if in_order and (k == 1 or (np.diff(gid_of_run) == 1).all()):
+            # every run a new sequence, numbered in order (a log sorted by step and
+            # sequence): a token's batch-local id is its run, its global id an offset
+            gid = self._bufs.empty("gid", run.shape[0], np.int64)
+            np.add(run, gid_of_run[0], out=gid)
+            return gid, (gid_of_run, run)
         uniq, inv = np.unique(gid_of_run, return_inverse=True)
         if run is None:
             run = np.zeros(df.height, dtype=np.int64)  # each token's run: a cumulative sum
             run[starts[1:]] = 1  # of run starts (np.repeat is slower with per-run counts)
             np.cumsum(run, out=run)
             return gid_of_run[run], (uniq, inv.reshape(-1)[run])
-        gid = np.empty(run.shape[0], dtype=np.int64)  # numba: no GIL held over 1M tokens
+        # m2po's store keeps views of gid until the step is resolved: reused after that
+        gid = self._bufs.empty("gid", run.shape[0], np.int64)
         local = self._buffer("local", run.shape[0])
         kernels.jit().take_runs(run, gid_of_run, inv.reshape(-1).astype(np.int64), gid, local)
         return gid, (uniq, local)

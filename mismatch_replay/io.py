@@ -872,11 +872,15 @@ def _file_batches(
         # closed (~16 bytes a token: 3 GiB at 200M tokens); without it memory stays flat.
         pf = pq.ParquetFile(_open(path), pre_buffer=False)
         part = plan.row_groups[file_index] if file_index < len(plan.row_groups) else None
-        groups = None if part is None else list(range(part[0], part[1]))
-        for rb in pf.iter_batches(
-            batch_size=plan.options.batch_rows, columns=source_cols, row_groups=groups
-        ):
-            yield pl.from_arrow(rb)
+        groups = range(pf.metadata.num_row_groups) if part is None else range(*part)
+        for run in _group_runs(pf.metadata, groups, plan.options.batch_rows):
+            if isinstance(run, list):  # whole row groups: decoded column by column in parallel
+                yield pl.from_arrow(pf.read_row_groups(run, columns=source_cols)).rechunk()
+            else:  # a row group larger than a batch: streamed, memory stays flat
+                for rb in pf.iter_batches(
+                    batch_size=plan.options.batch_rows, columns=source_cols, row_groups=[run]
+                ):
+                    yield pl.from_arrow(rb)
     except FileNotFoundError:
         raise DataError(
             f"{path}: the file disappeared before it could be read (it was listed a moment "
@@ -887,6 +891,32 @@ def _file_batches(
             f"{path}: reading failed part-way ({exc}). The file may be truncated or still being "
             "written; re-export it or leave it out."
         ) from exc
+
+
+def _group_runs(meta, groups: range, batch_rows: int) -> Iterator[list[int] | int]:
+    """Consecutive row groups as batches of at most batch_rows rows (a list of groups, read
+    whole), and each group larger than that on its own (an int, streamed in batches).
+
+    Reading whole row groups costs ~40% less CPU than pyarrow's batch iterator over the
+    same rows (0.7 vs 1.15 s for the five columns of the 20M-token benchmark log:
+    benchmarks/README.md), which copies every column into batches of its own size."""
+    run: list[int] = []
+    rows = 0
+    for g in groups:
+        n = meta.row_group(g).num_rows
+        if n > batch_rows:
+            if run:
+                yield run
+                run, rows = [], 0
+            yield g
+            continue
+        if run and rows + n > batch_rows:
+            yield run
+            run, rows = [], 0
+        run.append(g)
+        rows += n
+    if run:
+        yield run
 
 
 def _record_batches(

@@ -88,6 +88,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ._recycle import Recycler
+
 # ----------------------------------------------------------------------------- backend
 
 _ENV = "MISMATCH_REPLAY_KERNEL"
@@ -1036,6 +1038,7 @@ class Fused:
         self.wmax = np.full_like(self.wsum, -math.inf)
         self.dirty = False
         self.flagged_tokens = 0  # tokens sent to the simple path (inside a window)
+        self.bufs = Recycler()  # per-batch arrays, reused once idle (fresh pages are slow)
 
     def __getstate__(self):  # pickling (Ray): the scratch is rebuilt where it is used
         state = self.__dict__.copy()
@@ -1126,12 +1129,12 @@ class Fused:
         ms = m + PAD if has_seq else 1
         smn = np.full((nt, ms, sw), _EMPTY, np.int64)
         smx = np.full((nt, ms, sw), -1, np.int64)
-        tflag = np.zeros(n, np.uint32)
+        tflag = self.bufs.zeros("tflag", n, np.uint32)
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         msum = np.zeros((nt, gm + PAD, N_SUMS))
         mmax = np.full((nt, gm + PAD, N_MAXES), -math.inf)
-        hl = np.zeros((nt, bins * bins if scatter else 1), np.int64)
-        hg = np.zeros_like(hl)
+        hl = self.bufs.zeros("hist_lin", (nt, bins * bins if scatter else 1), np.int64)
+        hg = self.bufs.zeros("hist_log", hl.shape, np.int64)
         sq_sum = np.zeros((nt, m + PAD, 6))
         sq_mx = np.full((nt, m + PAD), -math.inf)
         sq_mn = np.full((nt, m + PAD), math.inf)
@@ -1139,8 +1142,9 @@ class Fused:
         # cores: fixed halves left one thread waiting for the other, ~20 ms a batch)
         nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
         sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
-        m2x = np.empty(n) if m2po else _E1
-        m2m = np.empty(n) if m2po else _E1
+        # m2po's store keeps views of these until the step is resolved: reused after that
+        m2x = self.bufs.empty("m2po_x", n) if m2po else _E1
+        m2m = self.bufs.empty("m2po_mass", n) if m2po else _E1
         flags = np.array(
             [
                 adv is not None,

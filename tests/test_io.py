@@ -37,6 +37,61 @@ def test_batch_size_does_not_change_the_table():
     assert a.equals(b)
 
 
+class _Meta:
+    """Row-group sizes in the shape of pyarrow's FileMetaData (what _group_runs reads)."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def row_group(self, i):
+        return type("RG", (), {"num_rows": self.sizes[i]})()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 60), max_size=25),
+    batch=st.integers(1, 50),
+    data=st.data(),
+)
+def test_group_runs_cover_every_group_once_and_fit_the_batch(sizes, batch, data):
+    lo = data.draw(st.integers(0, len(sizes)), label="first group")
+    hi = data.draw(st.integers(lo, len(sizes)), label="end")
+    runs = list(io._group_runs(_Meta(sizes), range(lo, hi), batch))
+    flat = [g for r in runs for g in (r if isinstance(r, list) else [r])]
+    assert flat == list(range(lo, hi))  # every group, once, in order
+    for k, r in enumerate(runs):
+        if isinstance(r, int):  # streamed: exactly the groups larger than a batch
+            assert sizes[r] > batch
+            continue
+        assert r and all(sizes[g] <= batch for g in r)
+        assert sum(sizes[g] for g in r) <= batch
+        nxt = runs[k + 1] if k + 1 < len(runs) else None
+        if isinstance(nxt, list):  # greedy: the next group would not have fitted
+            assert sum(sizes[g] for g in r) + sizes[nxt[0]] > batch
+
+
+@pytest.mark.parametrize("batch", [1, 7, 40, 10_000])
+def test_mixed_row_groups_read_every_row_in_order(tmp_path, batch):
+    """Small row groups are read whole (several to a batch), large ones streamed: the rows
+    come out in file order, in batches of at most batch_rows, whatever the mix."""
+    import pyarrow.parquet as pq
+
+    raw = pl.read_parquet(GOLDEN).filter("loss_mask").head(400)
+    path = tmp_path / "mixed.parquet"
+    with pq.ParquetWriter(path, raw.to_arrow().schema) as w:
+        off = 0
+        for size in (3, 1, 50, 2, 2, 120, 9, 0, 213):
+            w.write_table(raw.slice(off, size).to_arrow(), size or 1)
+            off += size
+    opts = io.ReadOptions(batch_rows=batch)
+    plan = io.plan_sources([path], opts)
+    heights = [df.height for _, df in io.iter_batches(plan)]
+    assert max(heights) <= batch and sum(heights) == 400
+    got = io.read_table([path], opts)
+    cols = ["step", "sample_id", "position", "trainer_logprob", "inference_logprob"]
+    assert got.select(cols).equals(raw.select(cols))
+
+
 def _as_lists(df: pl.DataFrame, names: dict[str, str]) -> pl.DataFrame:
     """Token rows -> one row per sequence with list columns, under trainer-style names."""
     return (
