@@ -143,7 +143,7 @@ def bin_array(score, k, thr, incl, lut, nl, klo, khi, shift, out):
 
 BLOCK = 512  # tokens per block: the block's derived arrays stay in L1/L2
 N_FSCRATCH = 13  # float64 scratch rows of coord_pass
-N_USCRATCH = 4  # uint64 scratch rows
+N_USCRATCH = 5  # uint64 scratch rows
 
 
 ERR_REL = 1e-13  # kernels.ERR_REL (maxima: a candidate this close to the max is recomputed)
@@ -211,8 +211,7 @@ def coord_pass(
     lflag,
     clamps,
     consts,
-    cnt,
-    mass,
+    cm,
     sfrac,
     wsum,
     wsq,
@@ -262,10 +261,9 @@ def coord_pass(
     clampv = consts[0]
     lin_lo, lin_w, log_lo, log_w, ln10 = consts[1], consts[2], consts[3], consts[4], consts[5]
     nbins = np.int64(consts[6])
-    HW = np.uint64(cnt.shape[1])
+    HW = np.uint64(cm.shape[1])
     SW = np.uint64(smn.shape[1])
-    cntf = _flat(cnt)
-    massf = _flat(mass)
+    cmf = _flat(cm)
     sfracf = _flat(sfrac)
     wsumf = _flat(wsum)
     wsqf = _flat(wsq)
@@ -296,6 +294,7 @@ def coord_pass(
     b_lc = us[1]  # the same for l
     b_gw = us[2]  # group * HW
     b_so = us[3]  # sequence * SW (zeros from the caller)
+    b_bin = us[4]  # a coordinate's bin_coord
     bad = False
     for start in range(lo, hi, B):
         nb = min(B, hi - start)
@@ -535,12 +534,17 @@ def coord_pass(
             cur = ~_U0
             cmin = np.int64(0)
             cmax = np.int64(0)
+            # two loops: binning (a table load a token), then the sums (loads and stores at
+            # the token's interval); apart, each keeps more tokens' memory accesses in
+            # flight than one loop doing both
             for t in range(nb):
                 x = sc[t]
                 bad |= x != x
-                b = bin_coord(
+                b_bin[t] = bin_coord(
                     x, kj, edges, tj, lut, lj, nlj, klj, khj, shj, tyj, nzj, gpj, kpj, lflag
                 )
+            for t in range(nb):
+                b = b_bin[t]
                 if b & _U1:  # inside a window: the simple path decides
                     tflag[start + t] |= bit
                     nf += 1
@@ -548,8 +552,9 @@ def coord_pass(
                 m = b >> _U1
                 cls = b_cls[t] * ma + b_lc[t] * ml
                 h = b_gw[t] + ho + cls * m1 + m
-                cntf[h] += 1
-                massf[h] += b_adp[t]
+                h2 = h + h  # count and |dp| mass side by side: one cache line a token
+                cmf[h2] += 1.0
+                cmf[h2 + _U1] += b_adp[t]
                 if has_invn:
                     sfracf[h] += invn[start + t]
                 if wt:

@@ -1030,8 +1030,9 @@ class Fused:
         self.gcap = 0
         hw = max(program.hwidth, 1)
         ww = hw if program.weights else 1
-        self.cnt = np.zeros((self.t, 0, hw), np.int64)
-        self.mass = np.zeros((self.t, 0, hw))
+        # count and |dp| mass side by side (a token's two additions share a cache line);
+        # counts as float64 are exact up to 2**53 tokens
+        self.cm = np.zeros((self.t, 0, hw, 2))
         self.sfrac = np.zeros((self.t, 0, hw if seqfrac else 1))
         self.wsum = np.zeros((self.t, 0, ww))
         self.wsq = np.zeros_like(self.wsum)
@@ -1071,24 +1072,22 @@ class Fused:
         # Each thread's sums take groups x (classes x intervals) x ~16-40 bytes: with --by
         # step on a long log and many cores that adds up, so past ACCUM_BUDGET fewer threads
         # keep sums (the others' are folded into thread 0 first; counts do not change).
-        row = 8 * (2 * self.cnt.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
+        row = 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
         keep = max(1, min(self.t, ACCUM_BUDGET // max(1, row * (cap + PAD))))
         if keep < self.t:
-            self.cnt[0] += self.cnt[keep:].sum(axis=0)
-            for name in ("mass", "sfrac", "wsum", "wsq"):
+            for name in ("cm", "sfrac", "wsum", "wsq"):
                 getattr(self, name)[0] += getattr(self, name)[keep:].sum(axis=0)
             np.maximum(self.wmax[0], self.wmax[keep:].max(axis=0), out=self.wmax[0])
-            for name in ("cnt", "mass", "sfrac", "wsum", "wsq", "wmax"):
+            for name in ("cm", "sfrac", "wsum", "wsq", "wmax"):
                 setattr(self, name, getattr(self, name)[:keep].copy())
             self.t = keep
 
         def grow(a, fill):  # PAD spare rows keep the threads' copies off each other's lines
-            new = np.full((a.shape[0], cap + PAD, a.shape[2]), fill, dtype=a.dtype)
+            new = np.full((a.shape[0], cap + PAD, *a.shape[2:]), fill, dtype=a.dtype)
             new[:, : a.shape[1]] = a
             return new
 
-        self.cnt = grow(self.cnt, 0)
-        self.mass = grow(self.mass, 0.0)
+        self.cm = grow(self.cm, 0.0)
         self.sfrac = grow(self.sfrac, 0.0)
         self.wsum = grow(self.wsum, 0.0)
         self.wsq = grow(self.wsq, 0.0)
@@ -1210,8 +1209,7 @@ class Fused:
                 p.lflag,
                 p.clamps,
                 consts,
-                self.cnt[t],
-                self.mass[t],
+                self.cm[t],
                 self.sfrac[t],
                 self.wsum[t],
                 self.wsq[t],
@@ -1269,17 +1267,17 @@ class Fused:
         """Sum the threads' accumulators (first `groups` rows), reset them, and return
         per-slot bins (Program.expand)."""
         g = groups
+        cm = self.cm[:, :g].sum(axis=0)
         h = {
-            "count": self.cnt[:, :g].sum(axis=0),
-            "mass": self.mass[:, :g].sum(axis=0),
+            "count": np.rint(cm[..., 0]).astype(np.int64),
+            "mass": np.ascontiguousarray(cm[..., 1]),
             "wsum": self.wsum[:, :g].sum(axis=0),
             "wsq": self.wsq[:, :g].sum(axis=0),
             "wmax": self.wmax[:, :g].max(axis=0),
         }
         if self.seqfrac:
             h["seqfrac"] = self.sfrac[:, :g].sum(axis=0)
-        self.cnt[:] = 0
-        self.mass[:] = 0.0
+        self.cm[:] = 0.0
         self.sfrac[:] = 0.0
         self.wsum[:] = 0.0
         self.wsq[:] = 0.0
