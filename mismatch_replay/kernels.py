@@ -82,6 +82,7 @@ import importlib.util
 import itertools
 import math
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -130,10 +131,41 @@ def jit():
     if backend() != "numba":
         return None
     if _jit is None:
-        from . import _kernels_jit
+        with _jit_lock:  # the reader's thread and the main one may both get here first
+            if _jit is None:
+                from . import _kernels_jit
 
-        _jit = _kernels_jit
+                _start_numba_target()
+                _jit = _kernels_jit
     return _jit
+
+
+_jit_lock = threading.Lock()
+_BLAS_PROBE = "scipy.linalg.cython_blas"
+
+
+def _start_numba_target() -> None:
+    """Start numba's CPU target (its registries) now, without its BLAS probe.
+
+    When its target starts, numba imports scipy.linalg to learn whether BLAS is there for
+    np.dot and the like. No kernel here uses BLAS, and where scipy is installed that import
+    costs 0.2-0.3 s (it pulls in numpy.f2py and charset_normalizer; `python -X importtime`),
+    a third of numba's start. So while the target starts, importing the probe fails at once
+    (a None entry in sys.modules, removed right after). The one effect on other jitted code
+    in this process: numba's np.correlate and np.convolve use its own loop instead of BLAS;
+    np.dot still imports scipy's BLAS when it is compiled. Where scipy.linalg is loaded
+    already the probe costs nothing and nothing is changed."""
+    from numba.core.registry import cpu_target
+
+    block = _BLAS_PROBE not in sys.modules and "scipy.linalg" not in sys.modules
+    if block:
+        sys.modules[_BLAS_PROBE] = None
+    try:
+        cpu_target.typing_context.refresh()
+        cpu_target.target_context.refresh()
+    finally:
+        if block and _BLAS_PROBE in sys.modules and sys.modules[_BLAS_PROBE] is None:
+            del sys.modules[_BLAS_PROBE]
 
 
 def threads() -> int:

@@ -570,3 +570,66 @@ def test_fused_tally_pickles_and_merges(tmp_path):
     tb = pickle.loads(pickle.dumps(engine.replay([b])))
     both = engine.replay([a, b]).result()
     assert_tables_equal((ta + tb).result().table, both.table)
+
+
+_START = """
+import sys
+from mismatch_replay import kernels
+j = kernels.jit()
+assert j is not None
+probe = sys.modules.get("scipy.linalg.cython_blas", "absent")
+print("scipy.linalg" in sys.modules, probe is None)
+import numpy as np
+assert j.check_column(np.array([-1.0, -2.0]), 0.0) == 0
+"""
+
+
+def test_numba_starts_without_importing_scipy_and_leaves_it_importable():
+    """kernels.jit() starts numba's target without its BLAS probe (scipy.linalg, 0.2-0.3 s):
+    in a fresh process scipy.linalg is not imported by it, no None entry is left behind, and
+    scipy's BLAS still imports and works in numba afterwards."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba")
+    scipy = pytest.importorskip("scipy")
+    env = {**os.environ, "MISMATCH_REPLAY_KERNEL": "numba"}
+    out = subprocess.run(
+        [sys.executable, "-c", _START], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+    after = (
+        _START
+        + """
+import scipy.linalg.cython_blas
+from numba import njit
+dot = njit(lambda a, b: np.dot(a, b))
+assert dot(np.ones((2, 2)), np.ones((2, 2))).sum() == 8.0
+"""
+    )
+    subprocess.run([sys.executable, "-c", after], env=env, check=True)
+    assert scipy is not None
+
+
+def test_numba_start_leaves_a_loaded_scipy_alone(monkeypatch):
+    """Where scipy.linalg is loaded already, the probe is not blocked (nothing to save);
+    where it is not, it is blocked only while the target starts."""
+    import sys
+
+    pytest.importorskip("numba")
+    from numba.core.registry import cpu_target
+
+    probe = "scipy.linalg.cython_blas"
+    seen = []
+    monkeypatch.setattr(
+        cpu_target.typing_context, "refresh", lambda: seen.append(sys.modules.get(probe, "-"))
+    )
+    monkeypatch.setitem(sys.modules, "scipy.linalg", object())
+    kernels._start_numba_target()
+    assert seen and None not in seen
+    seen.clear()
+    monkeypatch.delitem(sys.modules, "scipy.linalg")
+    monkeypatch.delitem(sys.modules, probe, raising=False)
+    kernels._start_numba_target()
+    assert seen and all(x is None for x in seen)  # blocked while the target starts
+    assert probe not in sys.modules  # and unblocked after
