@@ -22,7 +22,9 @@ each file's first record; for slime, the first dump): which source
 column feeds each canonical column (`--map canonical=theirs`, else the first known alias),
 whether the layout is one row per token or one row per sequence with list columns, and
 whether the log holds probabilities instead of log-probabilities. Then the files are
-streamed one Parquet record batch at a time (pyarrow reads only the projected columns) and
+streamed a batch at a time (pyarrow reads only the projected columns: runs of whole row groups
+up to the batch size, decoded column by column in parallel, ~40% less CPU than its batch
+iterator; a row group larger than a batch is streamed in batches) and
 each batch is canonicalised eagerly with polars: rename, explode list columns, probabilities
 -> log-probs, drop `loss_mask == false` rows, validate. Memory is bounded by the batch
 (default 1M rows ~ 16 MB per float column), never by the log. The other formats go through
