@@ -6,8 +6,10 @@ A replay allocates the same few large arrays for every batch of ~1M tokens: m2po
 (l^2 and |dp|, which its store keeps as views until the step is resolved, a batch or two
 later), each token's sequence id (kept there too), the kernel's flag words and its scatter
 counts. An array of megabytes comes fresh from the operating system each time, and every one
-of its pages is zeroed on first touch: ~50k page faults and ~0.5 s of CPU per 20M tokens on
-the benchmark machine (benchmarks/README.md), as much as decoding two columns.
+of its pages faults and is zeroed on first touch: with the zeros of the group codes, the
+kernel's page faults per 20M-token sweep went from ~33k to ~8k and the sequence ids' from
+~15k to none once these arrays were reused (`perf record -e page-faults`,
+benchmarks/README.md).
 
 A `Recycler` keeps the arrays it hands out (a few per name) and hands one out again only when
 nothing but the recycler refers to it. A view keeps its base array alive and counted (numpy
