@@ -1,11 +1,13 @@
 """The numba side of `kernels`: one fused loop over the tokens of a batch (see kernels.py).
 
 Imported only when numba is installed and the fused path is on; nothing else imports it.
-Every coordinate (|dp| signed, l, the binary KLs) is computed with the same float64
-operations, in the same order, as rules.py computes it (the same libm exp/expm1/log calls,
-no fast-math, no contraction), so the kernel bins bit-identical values; which interval of a
-coordinate means which bin for which rule is decided in kernels.py, in numpy, with the rules'
-own comparisons. tests/test_kernels.py checks both paths agree on random logs.
+Every per-token quantity (p, q, |dp| signed, l, the clamped ratio, k3, exp|l|, the binary
+KLs) is computed with the same float64 operations, in the same order, as rules.py computes
+it, with `_vmath`'s exp/expm1/log, the bit-identical twins of `pmath`'s (no fast-math, no
+contraction anywhere here), so the kernel bins, sums and maximises the simple path's bits;
+which interval of a coordinate means which bin for which rule is decided in kernels.py, in
+numpy, with the rules' own comparisons. tests/test_kernels.py checks both paths agree on
+random logs; tests/test_pmath.py that neither depends on numpy's dispatched exp and log.
 """
 
 from __future__ import annotations
@@ -146,37 +148,12 @@ N_FSCRATCH = 13  # float64 scratch rows of coord_pass
 N_USCRATCH = 5  # uint64 scratch rows
 
 
-ERR_REL = 1e-13  # kernels.ERR_REL (maxima: a candidate this close to the max is recomputed)
-ERR_ABS = 1e-300
-
-
-@njit(inline="always")
-def _k3c_exact(lpi, lqi, clampv):
-    """k3 of the clamped l with the C library's expm1 (as the simple path computes it)."""
-    lc = min(max(lpi - lqi, -clampv), clampv)
-    return math.expm1(lc) - lc
-
-
-@njit(inline="always")
-def _adp_exact(lpi, lqi):
-    """|dp| with the C library's exp and expm1 (as TokenBatch.abs_dp)."""
-    ge = lpi >= lqi
-    return math.exp(lpi if ge else lqi) * -math.expm1((lqi - lpi) if ge else (lpi - lqi))
-
-
-@njit(inline="always")
-def _near_edge(f):
-    """f within 1e-9 of an integer (a scatter bin edge)."""
-    d = f - math.floor(f)
-    return (d < 1e-9) | (d > 1.0 - 1e-9)
-
-
 @njit(inline="always")
 def _flat(a):
     return a.reshape(a.size)
 
 
-@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"}, _nrt=False)
+@njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
 def coord_pass(
     lo,
     hi,
@@ -319,7 +296,7 @@ def coord_pass(
             rc = vexp(lc)
             b_rc[t] = rc
             b_k3c[t] = vexpm1(lc) - lc
-            b_eabs[t] = rc if l >= 0 else 1.0 / rc  # exp(|l|) (|l| > 20: loop below)
+            b_eabs[t] = vexp(al)  # exp(|l|), unclamped (sequence sums)
         for c in range(nclamp):
             cv = clamps[c, 0]
             clo = clamps[c, 1]
@@ -411,25 +388,10 @@ def coord_pass(
             msumf[mo + np.uint64(12)] += s12
             msumf[mo + np.uint64(13)] += s13
             msumf[mo + np.uint64(14)] += s14
-            # maxima are reported as they are: tokens that may beat the running max (within
-            # the error bound of the fast exp) are recomputed with the C library (rarely)
+            # maxima: the per-token values are the simple path's bits (pmath), so as they are
             xo = np.uint64(g0) * np.uint64(2)
-            cur = mmaxf[xo]
-            if bk3 >= cur - (ERR_REL * abs(cur) + ERR_ABS):
-                lim = max(cur, bk3)
-                lim -= ERR_REL * abs(lim) + ERR_ABS
-                for t in range(ra, rb):
-                    if b_k3c[t] >= lim:
-                        ex = _k3c_exact(lp[start + t], lq[start + t], clampv)
-                        mmaxf[xo] = max(mmaxf[xo], ex)
-            cur = mmaxf[xo + _U1]
-            if bdp >= cur - (ERR_REL * abs(cur) + ERR_ABS):
-                lim = max(cur, bdp)
-                lim -= ERR_REL * abs(lim) + ERR_ABS
-                for t in range(ra, rb):
-                    if b_adp[t] >= lim:
-                        ex = _adp_exact(lp[start + t], lq[start + t])
-                        mmaxf[xo + _U1] = max(mmaxf[xo + _U1], ex)
+            mmaxf[xo] = max(mmaxf[xo], bk3)
+            mmaxf[xo + _U1] = max(mmaxf[xo + _U1], bdp)
             ra = rb
         if has_seq:  # sequences are runs of tokens: their sums stay in registers
             cs = np.uint64(sl[start])
@@ -462,8 +424,8 @@ def coord_pass(
                     k3 = b_k3c[t]
                     eabs = b_eabs[t]
                 else:  # beyond the clamp: unclamped k3 and exp(|l|) (rare)
-                    k3 = math.expm1(l) - l
-                    eabs = math.exp(abs(l))
+                    k3 = vexpm1(l) - l
+                    eabs = b_eabs[t]
                 r0 += 1.0
                 r1 += l
                 r2 += k3
@@ -483,10 +445,6 @@ def coord_pass(
             for t in range(nb):
                 fx = sx[t]
                 fy = sy[t]
-                # p and q are within a few ulps: near a bin edge, the C library decides
-                if _near_edge(fx) or _near_edge(fy):
-                    fx = (math.exp(lq[start + t]) - lin_lo) / lin_w
-                    fy = (math.exp(lp[start + t]) - lin_lo) / lin_w
                 ix = min(max(np.int64(math.floor(fx)), 0), top)
                 iy = min(max(np.int64(math.floor(fy)), 0), top)
                 hlin[np.uint64(ix * nbins + iy)] += 1

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from . import io, kernels
+from . import io, kernels, pmath
 from ._recycle import Recycler
 from .errors import DataError, UsageError
 from .metrics import MetricSums
@@ -639,7 +639,7 @@ class Tally:
                 z.flags.writeable = False
             return z[: df.height]
         if self.by == "q_bucket":
-            q = np.exp(df["inference_logprob"].to_numpy())
+            q = pmath.exp(df["inference_logprob"].to_numpy())
             col = pl.Series("q_bucket", np.asarray(Q_BUCKET_EDGES)[_bucket(q)])
             df = pl.DataFrame([col])
         else:
@@ -920,7 +920,7 @@ class Tally:
                 a = np.vstack([a, np.zeros((G - a.shape[0], width))])
             setattr(self, name, a)
         k3 = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
-        k3 = np.expm1(k3) - k3
+        k3 = pmath.expm1(k3) - k3
         idx = g * width + _k3_bin(k3)
         self.k3_hist += np.bincount(idx, minlength=G * width).reshape(G, width)
         self.k3_hist_sum += np.bincount(idx, weights=k3, minlength=G * width).reshape(G, width)
@@ -1179,8 +1179,7 @@ def _bucket(q: np.ndarray) -> np.ndarray:
 
 
 def _exp_abs(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.exp(np.abs(x))
+    return pmath.exp(np.abs(x))
 
 
 @dataclass

@@ -33,9 +33,10 @@ are exactly the simple path's at every grid point, ties, strict `>` and inclusiv
 included. Windows: 0 for thresholds on l itself (l = lp - lq on both paths); 1e-9 of the
 point plus 1e-14 where the rule's score is exp, expm1 - l or a square of l (their float
 rounding is ~1e-16 of l); 1e-13 relative for |dp| and 1e-13 (3 |log clamp| + 2) absolute for
-a clamped binary KL, because the kernel computes those with `_vmath`'s call-free exp, expm1
-and log (<= 1e-15 relative off the C library, measured in tests) so that its per-token loops
-vectorise. Real logs put almost no token in a window (4 of 20M in the benchmark log).
+a clamped binary KL. The kernel's exp, expm1 and log (`_vmath`, call-free so that its
+per-token loops vectorise) are bit-identical to `pmath`'s, which rules.py uses, so a token's
+coordinate is the simple path's own value and the windows are a second guard, not a
+correction. Real logs put almost no token in a window (4 of 20M in the benchmark log).
 
 Binning a coordinate is direct indexing: the value's order-preserving 64-bit key, with the
 ~2000 binades of tiny values squeezed out (`make_coord_binner`: |x| below half the smallest
@@ -60,9 +61,9 @@ apart, each loop keeps more tokens' memory accesses in flight. About 91-92 ns a 
 core for the whole default sweep (sequences ~10 of it, the scatter ~10, the metrics ~4;
 1M-token batch, best of 15), vs 100-101 with one loop and separate arrays, ~155 before the
 two changes above, ~300 for the previous per-rule kernel and 3.5 us for the simple path.
-Metric maxima are exact (a candidate within 1e-13 of the running max is recomputed with the
-C library), and so is the scatter (a p or q within 1e-9 of a bin edge is recomputed); sums
-differ from the simple path's in the last bits.
+Metric maxima and the scatter's bins are exactly the simple path's (the same per-token bits,
+on every CPU); sums differ from the simple path's in the last bits (another order of
+addition).
 
 Rules the program does not know (a new rule, a subclass) fall back to the simple path, job by
 job. `MISMATCH_REPLAY_KERNEL=numpy` forces the simple path everywhere.
@@ -94,6 +95,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from . import pmath
 from ._recycle import Recycler
 
 # ----------------------------------------------------------------------------- backend
@@ -114,8 +116,32 @@ def backend() -> str:
     if importlib.util.find_spec("numba") is None:
         if want == "numba":
             raise RuntimeError(f"{_ENV}=numba but numba is not installed (pip install numba)")
+        _note_fallback()
         return "numpy"
     return "numba"
+
+
+class KernelWarning(UserWarning):
+    """The fused kernel cannot run: the numpy path does the work (same counts, slower)."""
+
+
+_fallback_noted = False
+
+
+def _note_fallback() -> None:
+    """Say once per process that numba is missing (a core dependency: a broken install)."""
+    global _fallback_noted
+    if _fallback_noted:
+        return
+    _fallback_noted = True
+    import warnings
+
+    warnings.warn(
+        "numba is not installed, so the numpy reference path runs every rule: the same "
+        "counts, ~10x slower. Install it (pip install numba) for the fused kernel.",
+        KernelWarning,
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -653,14 +679,14 @@ def slot_bins(code: JobCode, bname: str, thr: np.ndarray, x, a: float, lsign: fl
             "-dp": np.negative,
             "l": lambda v: v,
             "-l": np.negative,
-            "r": np.exp,
-            "-r": lambda v: -np.exp(v),
+            "r": pmath.exp,
+            "-r": lambda v: -pmath.exp(v),
             "k2": lambda v: 0.5 * v * v,
-            "k3": lambda v: np.expm1(v) - v,
+            "k3": lambda v: pmath.expm1(v) - v,
             "kpop": lambda v: v,
             "bkl_qp": lambda v: v,
         }[bname](x)
-        r = np.exp(x)
+        r = pmath.exp(x)
     k = thr.shape[0]
     k1 = k + 1
     b = np.searchsorted(thr, base, side="left")

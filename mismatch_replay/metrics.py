@@ -20,7 +20,10 @@ import math
 import numpy as np
 import polars as pl
 
+from . import pmath
 from .rules import LOG_CLAMP, TokenBatch
+
+VAR_FLOOR = 1e-9  # a variance below this share of the second moment counts as zero
 
 _SUMS = (
     "n",
@@ -82,8 +85,8 @@ class MetricSums:
     def add(self, tb: TokenBatch, g: np.ndarray, groups: int, entropy=None) -> None:
         self._grow(groups)
         lc = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
-        r = np.exp(lc)
-        k3 = np.expm1(lc) - lc
+        r = pmath.exp(lc)
+        k3 = pmath.expm1(lc) - lc
         p, q = tb.p, tb.q
         vals = {
             "n": None,
@@ -150,12 +153,16 @@ class MetricSums:
                 "abs_dp_std": np.sqrt(np.maximum(s["abs_dp_sq"] / n - (s["abs_dp"] / n) ** 2, 0)),
                 "abs_dp_max": np.where(s["n"] > 0, m["abs_dp_max"], np.nan),
                 "chi2_token": s["r_sq"] / n - 1.0,
-                "ppl_ratio": np.exp(s["k1"] / n),
+                "ppl_ratio": pmath.exp(s["k1"] / n),
             }
             cov = s["pq"] / n - (s["p"] / n) * (s["q"] / n)
             vp = s["pp"] / n - (s["p"] / n) ** 2
             vq = s["qq"] / n - (s["q"] / n) ** 2
-            out["probs_pearson"] = cov / np.sqrt(vp * vq)
+            # undefined (null) where a column is constant to ~9 digits: there the variance
+            # from the sums is rounding noise, and its sign and size depend on the order
+            # in which batches, blocks and threads added them
+            flat = (vp <= VAR_FLOOR * s["pp"] / n) | (vq <= VAR_FLOOR * s["qq"] / n)
+            out["probs_pearson"] = np.where(flat, np.nan, cov / np.sqrt(vp * vq))
             en = np.where(s["entropy_n"] > 0, s["entropy_n"], np.nan)
             out["entropy_mean"] = s["entropy"] / en
             out["kl_ent_ratio"] = k3 / out["entropy_mean"]

@@ -36,6 +36,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from . import pmath
 from .errors import UsageError
 
 LOG_CLAMP = 20.0  # |log ratio| clamp before exp for weights and metrics (verl, slime, SkyRL)
@@ -64,18 +65,18 @@ class TokenBatch:
 
     @cached_property
     def p(self) -> np.ndarray:
-        return np.exp(self.lp)
+        return pmath.exp(self.lp)
 
     @cached_property
     def q(self) -> np.ndarray:
-        return np.exp(self.lq)
+        return pmath.exp(self.lq)
 
     @cached_property
     def abs_dp(self) -> np.ndarray:
         """|p - q| without cancellation: exp(max) * (-expm1(min - max))."""
         hi = np.maximum(self.lp, self.lq)
         lo = np.minimum(self.lp, self.lq)
-        return np.exp(hi) * -np.expm1(lo - hi)
+        return pmath.exp(hi) * -pmath.expm1(lo - hi)
 
     @cached_property
     def dp(self) -> np.ndarray:
@@ -85,13 +86,12 @@ class TokenBatch:
     @cached_property
     def r(self) -> np.ndarray:
         """Importance ratio exp(l), unclamped (may be inf only for absurd logs)."""
-        with np.errstate(over="ignore"):
-            return np.exp(self.l)
+        return pmath.exp(self.l)
 
     @cached_property
     def r_clamped(self) -> np.ndarray:
         """exp(clip(l, -20, 20)): the ratio frameworks use as a weight."""
-        return np.exp(np.clip(self.l, -LOG_CLAMP, LOG_CLAMP))
+        return pmath.exp(np.clip(self.l, -LOG_CLAMP, LOG_CLAMP))
 
     @cached_property
     def k2(self) -> np.ndarray:
@@ -100,8 +100,7 @@ class TokenBatch:
     @cached_property
     def k3(self) -> np.ndarray:
         """r - 1 - l, computed as expm1(l) - l (exact near 0; inf only if l > 709)."""
-        with np.errstate(over="ignore"):
-            return np.expm1(self.l) - self.l
+        return pmath.expm1(self.l) - self.l
 
     def adv(self, rule: str) -> np.ndarray:
         if self.advantage is None:
@@ -122,10 +121,10 @@ def binary_kl(la: np.ndarray, lb: np.ndarray, clamp: float) -> np.ndarray:
     lo, hi = math.log(clamp), math.log1p(-clamp)
     la = np.clip(la, lo, hi)
     lb = np.clip(lb, lo, hi)
-    a = np.exp(la)
-    ca = np.clip(-np.expm1(la), clamp, 1.0 - clamp)
-    cb = np.clip(-np.expm1(lb), clamp, 1.0 - clamp)
-    return a * (la - lb) + ca * (np.log(ca) - np.log(cb))
+    a = pmath.exp(la)
+    ca = np.clip(-pmath.expm1(la), clamp, 1.0 - clamp)
+    cb = np.clip(-pmath.expm1(lb), clamp, 1.0 - clamp)
+    return a * (la - lb) + ca * (pmath.log(ca) - pmath.log(cb))
 
 
 @dataclass
@@ -623,7 +622,7 @@ class SeqTIS(Rule):
         return s.sum_l
 
     def weight(self, s, param):
-        return np.exp(np.clip(s.sum_l, -LOG_CLAMP, LOG_CLAMP))
+        return pmath.exp(np.clip(s.sum_l, -LOG_CLAMP, LOG_CLAMP))
 
 
 class _SeqBand(Rule):
@@ -774,7 +773,7 @@ class GSPO(Rule):
 
     def score(self, s, param):
         a = s.adv(self.name)
-        g = np.exp(s.G)
+        g = pmath.exp(s.G)
         if param == "eps_high":
             down = (a < 0) & (g < 1.0 - self.eps_low)
             return _where(down, INF, _where(a > 0, g, -INF))

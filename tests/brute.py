@@ -1,6 +1,7 @@
 """A deliberately naive, independent float64 reference for every rule of RULES.md.
 
-Written from /work/shared/RULES.md only: it never imports `mismatch_replay.rules` or the engine.
+Written from /work/shared/RULES.md only: it never imports `mismatch_replay.rules` or the engine
+(only `mismatch_replay.pmath`, the exp/expm1 every part of the tool uses).
 One rule at one setting (one threshold) at a time, plain Python loops over tokens and sequences.
 It is slow on purpose and meant for small logs (tests, the golden log).
 
@@ -37,6 +38,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import polars as pl
+
+# The elementary functions are the tool's own (pmath: the same bits on every CPU), as they must
+# be for a reference that decides ties: a token "on" a threshold is on it for one computed value
+# of exp, not for another. Everything above them -- the rules, the sums, the loops -- is written
+# here independently.
+from mismatch_replay.pmath import exp, expm1
 
 CLAMP = 20.0
 
@@ -147,13 +154,13 @@ class Log:
         with np.errstate(over="ignore"):
             self.l = lp - lq
             hi, lo = np.maximum(lp, lq), np.minimum(lp, lq)
-            self.abs_dp = np.exp(hi) * -np.expm1(lo - hi)
+            self.abs_dp = exp(hi) * -expm1(lo - hi)
             self.dp = np.where(self.l > 0, self.abs_dp, np.where(self.l < 0, -self.abs_dp, 0.0))
-            self.r = np.exp(self.l)
-            self.r_clamped = np.exp(np.clip(self.l, -CLAMP, CLAMP))
+            self.r = exp(self.l)
+            self.r_clamped = exp(np.clip(self.l, -CLAMP, CLAMP))
             self.k2 = self.l * self.l / 2.0
-            self.k3 = np.expm1(self.l) - self.l
-            self.exp_abs_l = np.exp(np.abs(self.l))
+            self.k3 = expm1(self.l) - self.l
+            self.exp_abs_l = exp(np.abs(self.l))
         # sequences in order of first appearance
         self.seqs: dict[tuple, list[int]] = {}
         if self.sid is not None:

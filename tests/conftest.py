@@ -27,13 +27,20 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import brute` from the test modules
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
-settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=_HEALTH)
+# ci (the default): fixed examples, and a failure is reported as drawn, not shrunk (shrinking a
+# failure of the slower property tests took minutes); dev: the same examples, shrunk to a
+# minimal one; explore: fresh random examples, more of them, shrunk.
+_NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+settings.register_profile(
+    "ci", deadline=None, derandomize=True, phases=_NO_SHRINK, suppress_health_check=_HEALTH
+)
+settings.register_profile("dev", deadline=None, derandomize=True, suppress_health_check=_HEALTH)
 settings.register_profile("explore", deadline=None, max_examples=500, suppress_health_check=_HEALTH)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -17,7 +17,15 @@ import os
 import numpy as np
 import polars as pl
 import pytest
-from conftest import NICE_RATIOS, assert_tables_equal, log_file, logs, random_log, write_log
+from conftest import (
+    NICE_RATIOS,
+    assert_tables_equal,
+    canonical_log,
+    log_file,
+    logs,
+    random_log,
+    write_log,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -633,3 +641,97 @@ def test_numba_start_leaves_a_loaded_scipy_alone(monkeypatch):
     kernels._start_numba_target()
     assert seen and all(x is None for x in seen)  # blocked while the target starts
     assert probe not in sys.modules  # and unblocked after
+
+
+def _exact_ties_with_mean(target: float, seqs: int, rng) -> pl.DataFrame:
+    """Two-token sequences, l < 0, whose exp(|l|) (pmath) add up to 2 * target exactly."""
+    from mismatch_replay import pmath
+
+    lq0 = math.log(0.95)
+    rows: dict[str, list] = {"lp": [], "sid": []}
+    while len(rows["sid"]) < 2 * seqs:
+        l1 = -rng.uniform(0.05, 0.6)
+        e2 = 2 * target - pmath.exp(-l1)
+        x = -math.log(e2)
+        for c in (x, np.nextafter(x, 0.0), np.nextafter(x, -1.0)):
+            if c < 0 and pmath.exp(-float(c)) == e2:
+                s = len(rows["sid"]) // 2
+                rows["lp"] += [lq0 + l1, lq0 + float(c)]
+                rows["sid"] += [s, s]
+                break
+    n = len(rows["sid"])
+    return canonical_log(np.array(rows["lp"]), np.full(n, lq0), sample_id=np.array(rows["sid"]))
+
+
+@pytest.mark.parametrize("batch_rows", [1_000_000, 2])
+def test_sequence_statistics_at_a_tie_are_decided_as_rules_py_decides(tmp_path, batch_rows):
+    """prob-error at exactly mean exp|l| = 1.5 (NeMo-RL's `>`): kept on both paths, masked
+    just below; the per-token exp|l| are the same bits on both paths (pmath)."""
+    from mismatch_replay.rules import ProbError, SeqStats
+
+    df = _exact_ties_with_mean(1.5, 30, np.random.default_rng(1))
+    path = write_log(tmp_path / "tie.parquet", df)
+    grid = {"prob-error.tau": np.array([1.4999, 1.5])}
+    got = {}
+    for backend in ("numba", "numpy") if HAVE_NUMBA else ("numpy",):
+        with kernels.use_backend(backend):
+            res = engine.sweep(
+                [path],
+                rules=["prob-error"],
+                sweeps=grid,
+                options=io.ReadOptions(batch_rows=batch_rows),
+            )
+        t = res.table.filter(pl.col("rule") == "prob-error").sort("value")
+        got[backend] = t["masked_tokens"].to_list()
+    # rules.py on the whole sequences
+    tb = TokenBatch(df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy())
+    from mismatch_replay import pmath
+
+    e = pmath.exp(np.abs(tb.l)).reshape(-1, 2).sum(axis=1)
+    one = np.ones_like(e)
+    stats = SeqStats(2 * one, one, one, one, one, e, one)
+    score = ProbError().score(stats, "tau")
+    assert (score == 1.5).all()
+    for masked in got.values():
+        assert masked == [df.height, 0]
+
+
+def _no_numba_find_spec(real):
+    def find_spec(name, *args, **kw):
+        return None if name == "numba" else real(name, *args, **kw)
+
+    return find_spec
+
+
+def test_without_numba_the_numpy_path_runs_with_one_note(monkeypatch):
+    import importlib.util
+    import warnings
+
+    monkeypatch.setattr(importlib.util, "find_spec", _no_numba_find_spec(importlib.util.find_spec))
+    monkeypatch.setattr(kernels, "_fallback_noted", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert kernels.backend() == "numpy"
+        assert kernels.backend() == "numpy"
+    notes = [w for w in seen if issubclass(w.category, kernels.KernelWarning)]
+    assert len(notes) == 1
+    assert "numba is not installed" in str(notes[0].message)
+    assert "pip install numba" in str(notes[0].message)
+
+
+def test_without_numba_the_cli_says_so_once_on_stderr(golden_log):
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util as u, sys\n"
+        "real = u.find_spec\n"
+        "u.find_spec = lambda n, *a, **k: None if n == 'numba' else real(n, *a, **k)\n"
+        "from mismatch_replay.cli import main\n"
+        f"sys.argv = ['mismatch-replay', 'sweep', {str(golden_log)!r}, '-r', 'ipo', '-r', 'kpop']\n"
+        "main()\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("numba is not installed") == 1, res.stderr
+    assert "ipo" in res.stdout and "numba" not in res.stdout

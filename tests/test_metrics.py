@@ -170,3 +170,23 @@ def test_entropy_metrics(tmp_path):
     assert m["kl_ent_ratio"] == pytest.approx(m["kl_k3"] / ent[keep].mean(), rel=1e-12)
     m0 = _metrics(tmp_path, df).row(0, named=True)
     assert m0["entropy_mean"] is None and m0["kl_ent_ratio"] is None
+
+
+@pytest.mark.parametrize("batch_rows", [7, 1_000_000])
+def test_pearson_is_null_where_a_column_is_constant(tmp_path, kernel_backend, batch_rows):
+    """p constant (to 9 digits): the variance from the sums is rounding noise whose sign
+    depends on the order of the additions; the correlation is undefined, never +-1 or 0."""
+    from mismatch_replay import io
+
+    rng = np.random.default_rng(3)
+    n = 5_000
+    lq = np.log(rng.uniform(0.05, 0.95, n))
+    for lp in (np.full(n, math.log(0.7)), math.log(0.7) + rng.normal(0.0, 1e-12, n)):
+        path = write_log(tmp_path / "c.parquet", canonical_log(np.minimum(lp, 0.0), lq))
+        res = engine.sweep([path], rules=[], options=io.ReadOptions(batch_rows=batch_rows))
+        assert res.metrics["probs_pearson"].item() is None
+    # a genuine correlation is kept
+    lp = np.minimum(lq + rng.normal(0.0, 0.05, n), 0.0)
+    path = write_log(tmp_path / "c.parquet", canonical_log(lp, lq))
+    got = engine.sweep([path], rules=[]).metrics["probs_pearson"].item()
+    assert got == pytest.approx(np.corrcoef(np.exp(lp), np.exp(lq))[0, 1], rel=1e-9)
