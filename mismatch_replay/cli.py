@@ -8,6 +8,13 @@ stdout by default, machine-readable output with `--json` or `-o FILE`. Progress 
 notes go to stderr so that stdout can be piped. Library errors (`ReplayError`) become one
 readable line on stderr and exit code 1 (bad data) or 2 (bad usage); no traceback.
 Heavy modules are imported inside the commands so that `--help` starts fast.
+
+On a terminal (tests/test_pty.py runs every command in one, 80 and 120 columns): the progress
+line (`_progress`) counts rows per pass over the log with rate, elapsed time and time left;
+tables get column widths that fit the terminal without breaking a number or a rule parameter
+(`_fit`; rich alone squeezes columns below their longest word and cuts with an ellipsis), and a
+sweep that cannot fit as one table is folded into one table per rule setting. Text from the
+library is printed without rich markup (`[torch]` in an install hint is not a style tag).
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
+from inspect import cleandoc
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -26,33 +35,74 @@ from rich.table import Table
 from . import __version__
 from .errors import ReplayError
 
+
+class _PlainFlags:
+    """Flags render as plain flags in --help: `--json`, not `--json <bool>` (typer 0.29 shows
+    a flag's type unless it has a metavar; an empty metavar shows nothing)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
+class _Command(_PlainFlags, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_PlainFlags, typer.core.TyperGroup):
+    pass
+
+
 app = typer.Typer(
     name="mismatch-replay",
+    cls=_Group,
     help=(
         "Replay logged trainer/inference token probabilities through every masking rule "
-        "(IPO, IcePop, KPop, DPPO, TIS, sequence rules, ...) across threshold sweeps."
+        "(IPO, IcePop, KPop, DPPO, TIS, sequence rules, ...) across threshold sweeps. "
+        "Results go to stdout, progress and notes to stderr."
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
 )
 out = Console(width=None if sys.stdout.isatty() else 140)
-err = Console(stderr=True, soft_wrap=True)
+# On a terminal, notes wrap between words; elsewhere (logs, pipes) a message stays one line.
+err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+
+
+def _reflow(doc: str) -> str:
+    """A docstring's paragraphs as single lines. In rich markup mode typer keeps a
+    docstring's line breaks, so text wrapped at 100 columns in the source would break
+    mid-sentence at any other width; rich rewraps single-line paragraphs to the terminal."""
+    paragraphs = cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def command(fn: Callable) -> Callable:
+    """Register a command: its docstring (reflowed) is its --help; flags print plainly."""
+    return app.command(cls=_Command, help=_reflow(fn.__doc__ or ""))(fn)
+
 
 # ----------------------------------------------------------------------------- shared options
 
 Sources = Annotated[
     list[str],
     typer.Argument(
+        metavar="SOURCES",
         help="Token logs: Parquet or JSONL files, prime-rl token_exports trees, NeMo-RL "
-        "train_data_step<N>.jsonl, slime .pt dumps; directories (searched recursively) or globs."
+        "train_data_step<N>.jsonl, slime .pt dumps; directories (searched recursively) or globs.",
     ),
 ]
 MapOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--map",
-        help="Use another column name: canonical=theirs (repeatable), "
+        metavar="CANONICAL=THEIRS",
+        help="Read a canonical column from another name (repeatable), "
         "e.g. --map trainer_logprob=lp_train.",
     ),
 ]
@@ -67,14 +117,18 @@ DropOpt = Annotated[
     ),
 ]
 BatchOpt = Annotated[
-    int, typer.Option("--batch-rows", min=1, help="Rows per streamed batch (bounds memory).")
+    int,
+    typer.Option(
+        "--batch-rows", min=1, metavar="N", help="Rows per streamed batch (bounds memory)."
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
 FormatOpt = Annotated[
     str | None,
     typer.Option(
         "--format",
-        help="Source format: auto (default: detected from the paths), parquet, jsonl, "
+        metavar="FORMAT",
+        help="The log's format: auto (default: detected from the paths), parquet, jsonl, "
         "prime-rl, nemo-rl or slime.",
     ),
 ]
@@ -107,26 +161,89 @@ def _options(
     )
 
 
+def _progress_columns(unit: str):
+    """Columns of the progress line: a spinner, the label, a bar (it pulses while the total
+    is unknown), this pass's `done/total unit` (`done unit` when unknown), the rate and the
+    time elapsed (both over every pass), and the time left in this pass when it is known."""
+    import time
+
+    from rich.progress import BarColumn, ProgressColumn, SpinnerColumn, TextColumn
+    from rich.text import Text
+
+    def clock(seconds: float) -> str:
+        m, s = divmod(int(seconds), 60)
+        return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+    class Count(ProgressColumn):
+        def render(self, task) -> Text:
+            done = f"{task.completed:,.0f}"
+            if task.total is None:
+                return Text(f"{done} {unit}", style="progress.download")
+            return Text(f"{done}/{task.total:,.0f} {unit}", style="progress.download")
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            dt = time.monotonic() - task.fields["t0"]
+            rate = task.fields["rows"] / dt if dt > 0 else 0
+            return Text(f"{rate:,.0f} {unit}/s" if rate else "", style="progress.data.speed")
+
+    class Elapsed(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(clock(time.monotonic() - task.fields["t0"]), style="progress.elapsed")
+
+    class Left(ProgressColumn):
+        def render(self, task) -> Text:
+            left = task.time_remaining
+            if task.total is None or task.finished or left is None:
+                return Text("")
+            return Text(f"eta {clock(left)}", style="progress.remaining")
+
+    return (
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=None),  # what the other columns leave
+        Count(),
+        Rate(),
+        Elapsed(),
+        Left(),
+    )
+
+
 @contextmanager
-def _progress(label: str):
-    """A rich progress bar on stderr; yields a callback(done, total)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+def _progress(label: str, unit: str = "rows"):
+    """A progress line on stderr, only when stderr is a terminal; yields a callback
+    `update(done, total)` (None otherwise), the library's progress protocol.
+
+    A total <= 0 means unknown: the line shows a spinner, the count and the rate; with a
+    total, a bar and the time left (totals are estimates from file sizes: a count beyond the
+    estimate raises the total to it). Commands that read the log several times (report,
+    demo, choose with a bootstrap, compare with --budget) count from 0 again for each pass:
+    a count below the last one, or the same count again after a finished pass, starts the
+    next pass, and the line says which; rate and elapsed time run over all passes. The line
+    is drawn when the display starts and once more when it stops (so even a run shorter
+    than one refresh shows its final count), then cleared."""
+    import time
+
+    from rich.progress import Progress
 
     if not err.is_terminal:
         yield None
         return
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f} rows"),
-        TimeRemainingColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task(label, total=None)
+    with Progress(*_progress_columns(unit), console=err, transient=True, expand=True) as bar:
+        task = bar.add_task(label, total=None, rows=0, t0=time.monotonic())
+        last = {"pass": 1, "done": 0, "finished": False, "before": 0}
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+        def update(done: int, total: int | None) -> None:
+            known = total if total is not None and total > 0 else None
+            if known is not None and done > known:
+                known = done
+            if done < last["done"] or (done == last["done"] > 0 and last["finished"]):
+                last["pass"] += 1
+                last["before"] += last["done"]
+                name = f"{label} (pass {last['pass']})"
+                bar.reset(task, total=known, completed=done, description=name)
+            bar.update(task, completed=done, total=known, rows=last["before"] + done)
+            last["done"], last["finished"] = done, known is not None and done >= known
 
         yield update
 
@@ -140,7 +257,7 @@ def _run(fn: Callable[[], None]) -> None:
 
     def _show(message, category, filename, lineno, file=None, line=None):
         if category.__module__.startswith("mismatch_replay"):
-            err.print(f"[yellow]warning:[/] {message}", highlight=False)
+            err.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False)
         else:
             show(message, category, filename, lineno, file, line)
 
@@ -150,7 +267,7 @@ def _run(fn: Callable[[], None]) -> None:
             warnings.filterwarnings("always", module=r"mismatch_replay\.")  # every call
             fn()
     except ReplayError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(exc.exit_code) from None
 
 
@@ -182,12 +299,48 @@ def _report_drops(report) -> None:
         err.print(f"[yellow]{what}[/] (--drop-invalid):", highlight=False)
         for (f, c), n in report.dropped.items():
             if not c.startswith("*"):
-                err.print(f"  {f}: {c}: {n:,}", highlight=False)
+                err.print(f"  {f}: {c}: {n:,}", highlight=False, markup=False)
 
 
 def _add_row(t: Table, *cells: str) -> None:
     """Add a row of plain text (brackets in rule settings are not rich markup)."""
     t.add_row(*[escape(c) for c in cells])
+
+
+def _fit(t: Table, width: int | None = None) -> bool:
+    """Fix the column widths of `t` so that it fits `width` (default: stdout's) without
+    breaking a word: each column gets at least its longest word (a number, a rule parameter,
+    a header word), and the rest of the width goes to the columns that would wrap, those
+    that lack least first (so that as few columns as possible wrap). False, widths untouched,
+    when even the longest words do not fit: the caller folds the table (fewer columns per
+    table) or lets rich wrap. (rich alone shrinks columns below their longest word and cuts
+    numbers with an ellipsis.)"""
+    from rich.measure import Measurement
+
+    width = out.width if width is None else width
+    opts = out.options.update_width(10_000)
+    lo, hi = [], []
+    for c in t.columns:
+        ms = [Measurement.get(out, opts, x) for x in [c.header, *c.cells]]
+        lo.append(max(m.minimum for m in ms))
+        hi.append(max(m.maximum for m in ms))
+    _, right, _, left = t.padding
+    n = len(t.columns)
+    extra = (left + right) * n + (n - 1 if t.box else 0)
+    extra += 2 if t.box and t.show_edge else 0
+    extra -= 0 if t.pad_edge else left + right
+    room = width - extra
+    if sum(hi) <= room:
+        return True
+    if sum(lo) > room:
+        return False
+    spare, need, give = room - sum(lo), [h - m for h, m in zip(hi, lo, strict=True)], [0] * n
+    for i in sorted(range(n), key=lambda i: need[i]):  # unwrap the most columns
+        give[i] = min(need[i], spare)
+        spare -= give[i]
+    for c, m, g in zip(t.columns, lo, give, strict=True):
+        c.width = m + g
+    return True
 
 
 def _fmt_num(x, digits: int = 4) -> str:
@@ -213,7 +366,7 @@ def _pct(x) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
-@app.command()
+@command
 def rules(json_: JsonOpt = False) -> None:
     """The rule catalogue: parameters, defaults, presets, definitions and sources."""
     from .rules import catalogue_records
@@ -225,28 +378,30 @@ def rules(json_: JsonOpt = False) -> None:
         print(to_json({"rules": recs}))
         return
     t = Table(title="mismatch-replay rule catalogue", show_lines=True)
-    for c in ("rule", "level", "kind", "parameters (default)", "presets", "masked when / source"):
+    for c in ("rule", "parameters (default)", "presets", "masked when / source"):
         t.add_column(c, overflow="fold")
     for r in recs:
-        params = "\n".join(f"{p['name']}={_fmt_num(p['default'])}" for p in r["params"])
+        params = "\n".join(
+            p["name"] + (" (no default)" if p["default"] is None else f"={_fmt_num(p['default'])}")
+            for p in r["params"]
+        )
         presets = "\n".join(
-            f"@{k}: " + ",".join(f"{a}={_fmt_num(b)}" for a, b in v.items())
+            f"@{k}: " + ", ".join(f"{a}={_fmt_num(b)}" for a, b in v.items())
             for k, v in r["presets"].items()
         )
         needs = f"\nneeds: {', '.join(r['needs'])}" if r["needs"] else ""
         _add_row(
             t,
-            r["name"],
-            r["level"],
-            r["kind"],
+            f"{r['name']}\n{r['level']} {r['kind']}",
             params,
             presets or "-",
             f"{r['definition']}\n{r['source']}{needs}",
         )
+    _fit(t)
     out.print(t)
 
 
-@app.command()
+@command
 def inspect(
     sources: Sources,
     map_: MapOpt = None,
@@ -256,8 +411,11 @@ def inspect(
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
 ) -> None:
-    """What a log holds: columns found, rows, loss tokens, steps, sequences, invalid rows, and
-    the trainer-inference mismatch (k1, k3 KL, |dp|) overall and per step."""
+    """What a log holds, and how far trainer and inference disagree on it.
+
+    Columns found, rows, loss tokens, steps, sequences, invalid rows, and the
+    trainer-inference mismatch (k1, k3 KL, |dp|) overall and per step.
+    """
 
     def body():
         from .summary import inspect_log
@@ -289,6 +447,7 @@ def inspect(
         _add_row(t, "sequences", "-" if s.sequences is None else f"{s.sequences:,}")
         inv = "none" if not s.invalid else "\n".join(f"{k}: {v:,}" for k, v in s.invalid.items())
         _add_row(t, "invalid rows", inv)
+        _fit(t)
         out.print(t)
         from .metrics import NAMES
 
@@ -298,6 +457,7 @@ def inspect(
         m.add_column("framework name", style="dim")
         for k, v in s.metrics.items():
             _add_row(m, k, _fmt_num(v), NAMES.get(k, ("", ""))[0])
+        _fit(m)
         out.print(m)
         if s.steps > 1:
             st = Table(title="per step")
@@ -306,12 +466,13 @@ def inspect(
                 st.add_column(c, justify="right")
             for row in s.per_step.iter_rows(named=True):
                 _add_row(st, *[_fmt_num(row[c]) for c in cols])
+            _fit(st)
             out.print(st)
 
     _run(body)
 
 
-@app.command()
+@command
 def sweep(
     ctx: typer.Context,
     sources: Sources,
@@ -320,6 +481,7 @@ def sweep(
         typer.Option(
             "--rule",
             "-r",
+            metavar="SPEC",
             help="Rule SPEC (repeatable): name[:param=value,...] or name@preset, "
             "e.g. ipo:eps=0.3, icepop@verl. Default: every rule the log supports.",
         ),
@@ -329,24 +491,38 @@ def sweep(
         typer.Option(
             "--sweep",
             "-s",
+            metavar="PARAM=GRID",
             help="Sweep a parameter: PARAM=GRID or RULE.PARAM=GRID; GRID is a,b,c or "
             "start:stop:num[:log] (repeatable).",
         ),
     ] = None,
     by: Annotated[
-        str | None, typer.Option("--by", help="Group the counts by 'step' or 'env'.")
+        str | None,
+        typer.Option(
+            "--by",
+            metavar="step|env|q_bucket",
+            help="Group the counts: per step, per env, or per q_bucket (the inference "
+            "probability of each token, in 10 buckets; a sequence spans buckets, so there the "
+            "sequence columns and the counts of sequence rules are empty).",
+        ),
     ] = None,
     match: Annotated[
         str | None,
         typer.Option(
             "--match",
+            metavar="prime-rl",
             help="Reproduce a trainer's logging conventions: 'prime-rl' drops zero-advantage "
             "tokens and adds is_masked_mean (prime-rl's is_masked/mean).",
         ),
     ] = None,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Write the full table: .csv, .parquet or .json."),
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="Write the full table: .csv, .parquet or .json.",
+        ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing -o file.")] = False,
     all_rows: Annotated[
@@ -363,6 +539,7 @@ def sweep(
         str,
         typer.Option(
             "--engine",
+            metavar="local|ray",
             help="local (this machine, every core) or ray (one task per file on a Ray "
             "cluster; needs the package's ray extra).",
         ),
@@ -371,12 +548,13 @@ def sweep(
         str | None,
         typer.Option(
             "--ray-address",
+            metavar="ADDRESS",
             help="With --engine ray: the cluster to attach to (default: RAY_ADDRESS, else a "
             "local one).",
         ),
     ] = None,
 ) -> None:
-    """Replay the log through each rule at every value of its grid, in one streaming pass.
+    """What each rule masks at every value of its threshold, in one streaming pass.
 
     Prints, per rule and value, the tokens and sequences it masks (or, for weight rules,
     truncates) and the |p - q| mass it drops. Without --rule: every rule the log supports,
@@ -406,15 +584,15 @@ def sweep(
             )
         _report_drops(res.tally.report)
         for note in res.notes:
-            err.print(f"[dim]note: {note}[/]", highlight=False)
+            err.print(f"[dim]note: {escape(note)}[/]", highlight=False)
         for w in res.warnings:
-            err.print(f"[yellow]warning:[/] {w}", highlight=False)
+            err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
         meta = {"command": _command(ctx), "version": __version__}
         if output is not None:
             from .output import write_table
 
             write_table(res.table, output, force=force, meta=meta)
-            err.print(f"wrote {res.table.height:,} rows to {output}", highlight=False)
+            err.print(f"wrote {res.table.height:,} rows to {output}", highlight=False, markup=False)
             return
         if json_:
             from .output import to_json
@@ -426,55 +604,107 @@ def sweep(
     _run(body)
 
 
+def _rule_label(rule: str, setting: str | None) -> str:
+    """'dppo-kl' + 'high=0.05,clamp=20' -> 'dppo-kl [high=0.05, clamp=20]': a narrow column
+    wraps between the fixed parameters, never inside one (no two settings read the same)."""
+    return rule + (f" [{setting.replace(',', ', ')}]" if setting else "")
+
+
+def _spec_header(spec: str) -> str:
+    """A rule SPEC as a column header, one part per line: 'icepop:low=0.2,high=5' ->
+    'icepop\nlow=0.2\nhigh=5', so a header is as narrow as its longest part and never cut."""
+    name, _, params = spec.partition(":")
+    return "\n".join([name, *params.split(",")]) if params else name
+
+
+def _group_cell(by: str, v) -> str:
+    from .tables import q_bucket_label
+
+    return q_bucket_label(v) if by == "q_bucket" else str(v)
+
+
+def _sweep_table(title: str, part, kind: str, by, seqs: bool, prime: bool, job: bool) -> Table:
+    """One table of sweep rows. job=False: every rule, one row per rule x value (x group);
+    job=True: the rows of one rule setting and swept parameter (the value column is headed
+    by the parameter's name; the rule is in the title)."""
+    t = Table(title=escape(title), show_edge=False)
+    param = part["param"][0]
+    cols = [param] if job else ["rule [fixed]", "param", "value"]
+    cols += [by, "tokens"] if by else []
+    if kind == "mask":
+        cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
+        cols += ["is_masked/ mean"] if prime else []
+    else:
+        cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
+    for c in cols:
+        left = c in ("rule [fixed]", "param")
+        t.add_column(escape(c), justify="left" if left else "right", overflow="fold")
+    prev = prev_value = None
+    for r in part.iter_rows(named=True):
+        label = _rule_label(r["rule"], r["setting"])
+        value = _fmt_num(r["value"])
+        if job:  # grouped rows of one value: the value once
+            row = [value if value != prev_value else ""]
+        else:
+            row = [label if label != prev else "", r["param"], value]
+        prev, prev_value = label, value
+        if by:
+            row += [_group_cell(by, r[by]), _fmt_num(r["tokens"])]
+        if kind == "mask":
+            row += [_pct(r["masked_fraction"]), _fmt_num(r["masked_tokens"])]
+            if seqs:
+                row.append(_pct(r["masked_sequence_fraction"]))
+            row.append(_pct(r["masked_mass_fraction"]))
+            if prime:
+                row.append(_pct(r["is_masked_mean"]))
+        else:
+            row += [
+                _pct(r["truncated_fraction"]),
+                _fmt_num(r["truncated_tokens"]),
+                _fmt_num(r["weight_mean"]),
+                _fmt_num(r["weight_max"]),
+                _pct(r["weight_ess"]),
+            ]
+        _add_row(t, *row)
+    return t
+
+
 def _print_sweep(df, by: str | None, all_rows: bool) -> None:
+    """The sweep as tables: one per kind (mask, weight) with a row per rule x value (x
+    group); where that does not fit the terminal without breaking a number or a rule
+    parameter, folded into one table per rule setting."""
     import polars as pl
 
-    from .tables import preview
+    from .tables import TOKEN_GROUPS, loss_tokens, preview
 
     shown = df if all_rows else preview(df)
     seqs = df["sequences"].null_count() < df.height
     prime = df["is_masked_mean"].null_count() < df.height
+    total = loss_tokens(df, by)
+    of = "" if total is None else f", of {total:,} loss tokens"
+    of += f"; tokens: per {by}" if by else ""
     for kind in ("mask", "weight"):
         part = shown.filter(pl.col("kind") == kind)
         if part.height == 0:
             continue
         verb = "masked" if kind == "mask" else "truncated"
-        t = Table(
-            title=f"{verb} by each {kind} rule, of {df['tokens'].max():,} loss tokens",
-            show_edge=False,
+        t = _sweep_table(f"{verb} by each {kind} rule{of}", part, kind, by, seqs, prime, False)
+        if _fit(t):
+            out.print(t)
+            continue
+        for _, job in part.group_by(["rule", "setting", "param"], maintain_order=True):
+            label = _rule_label(job["rule"][0], job["setting"][0])
+            title = f"{verb} by {label}, {job['param'][0]} swept{of}"
+            t = _sweep_table(title, job, kind, by, seqs, prime, True)
+            _fit(t)
+            out.print(t)
+    if by in TOKEN_GROUPS:
+        err.print(
+            f"[dim]note: --by {by} groups tokens, and a sequence spans groups: the sequence "
+            "columns are empty, and so are the counts of sequence rules (they mask whole "
+            "sequences).[/]",
+            highlight=False,
         )
-        cols = ["rule [fixed]", "param", "value"] + ([by] if by else [])
-        if kind == "mask":
-            cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
-            cols += ["is_masked/mean"] if prime else []
-        else:
-            cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
-        for c in cols:
-            t.add_column(escape(c), justify="left" if c in ("rule [fixed]", "param") else "right")
-        prev = None
-        for r in part.iter_rows(named=True):
-            label = r["rule"] + (f" [{r['setting']}]" if r["setting"] else "")
-            row = [label if label != prev else "", r["param"], _fmt_num(r["value"])]
-            prev = label
-            if by:
-                row.append(str(r[by]))
-            if kind == "mask":
-                row += [_pct(r["masked_fraction"]), f"{r['masked_tokens']:,}"]
-                if seqs:
-                    row.append(_pct(r["masked_sequence_fraction"]))
-                row.append(_pct(r["masked_mass_fraction"]))
-                if prime:
-                    row.append(_pct(r["is_masked_mean"]))
-            else:
-                row += [
-                    _pct(r["truncated_fraction"]),
-                    f"{r['truncated_tokens']:,}",
-                    _fmt_num(r["weight_mean"]),
-                    _fmt_num(r["weight_max"]),
-                    _pct(r["weight_ess"]),
-                ]
-            _add_row(t, *row)
-        out.print(t)
     if shown.height < df.height:
         err.print(
             f"[dim]showing {shown.height:,} of {df.height:,} rows; --all prints every row, "
@@ -485,11 +715,13 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
 
 RuleOpt = Annotated[
     list[str] | None,
-    typer.Option("--rule", "-r", help="Rule SPEC (repeatable), e.g. ipo, icepop@prime-rl."),
+    typer.Option(
+        "--rule", "-r", metavar="SPEC", help="Rule SPEC (repeatable), e.g. ipo, icepop@prime-rl."
+    ),
 ]
 
 
-@app.command()
+@command
 def choose(
     sources: Sources,
     target_fraction: Annotated[
@@ -497,6 +729,7 @@ def choose(
         typer.Option(
             "--target-fraction",
             "-t",
+            metavar="F",
             help="Find, per rule, the threshold that masks this fraction of loss tokens "
             "(e.g. 0.0025). Without it: the masked fraction at each --rule setting.",
         ),
@@ -504,16 +737,22 @@ def choose(
     rule: RuleOpt = None,
     bootstrap: Annotated[
         int,
-        typer.Option("--bootstrap", min=0, help="Bootstrap replicates for the interval (0: off)."),
+        typer.Option(
+            "--bootstrap",
+            metavar="N",
+            min=0,
+            help="Bootstrap replicates for the interval (0: off).",
+        ),
     ] = 200,
     bootstrap_unit: Annotated[
         str | None,
         typer.Option(
             "--bootstrap-unit",
+            metavar="sequence|step",
             help="Resample 'sequence' (default when sample_id exists) or 'step'.",
         ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Bootstrap seed.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Bootstrap seed.")] = 0,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
@@ -522,10 +761,10 @@ def choose(
     include_unstable: UnstableOpt = False,
     json_: JsonOpt = False,
 ) -> None:
-    """Which threshold masks a target fraction of tokens, per rule, with a 95% bootstrap
-    interval (how much the answer would move on another log of the same run).
+    """The threshold that masks a target fraction of tokens, per rule.
 
-    Without --rule: every mask rule the log supports, each threshold parameter (two-sided
+    With a 95% bootstrap interval: how much the answer would move on another log of the same
+    run. Without --rule: every mask rule the log supports, each threshold parameter (two-sided
     bands: each side with the other at its default). The answer is exact on a grid refined
     until the fraction is within 1% of the target, or limited by ties in the data (said).
     """
@@ -557,10 +796,11 @@ def choose(
         )
         t = Table(title=title, show_edge=False)
         for c in ("rule [fixed]", "param", "value", "95% interval", "masked", "status"):
-            t.add_column(escape(c), justify="left" if c in ("rule [fixed]", "param") else "right")
+            left = c in ("rule [fixed]", "param")
+            t.add_column(escape(c), justify="left" if left else "right", overflow="fold")
         notes: list[str] = []
         for r in rows:
-            label = r["rule"] + (f" [{r['setting']}]" if r["setting"] else "")
+            label = _rule_label(r["rule"], r["setting"])
             show = _pct if target_fraction is None else _fmt_num
             ci = "-" if r["ci_low"] is None else f"{show(r['ci_low'])} .. {show(r['ci_high'])}"
             status = r["status"] + (f" [{len(notes) + 1}]" if r["note"] else "")
@@ -569,6 +809,7 @@ def choose(
             _add_row(
                 t, label, r["param"], _fmt_num(r["value"]), ci, _pct(r["masked_fraction"]), status
             )
+        _fit(t)
         out.print(t)
         for i, n in enumerate(notes, 1):
             out.print(f"[{i}] {n}", highlight=False, markup=False)
@@ -576,23 +817,29 @@ def choose(
     _run(body)
 
 
-@app.command()
+@command
 def compare(
     sources: Sources,
     rule: Annotated[
         list[str],
-        typer.Option("--rule", "-r", help="Exactly two rule SPECs: --rule A --rule B."),
+        typer.Option(
+            "--rule", "-r", metavar="SPEC", help="Exactly two rule SPECs: --rule A --rule B."
+        ),
     ],
     budget: Annotated[
         float | None,
         typer.Option(
             "--budget",
+            metavar="F",
             help="First set each rule's primary parameter to mask this fraction "
             "(iso-budget: at equal cost, which tokens does each rule choose?).",
         ),
     ] = None,
     examples: Annotated[
-        int, typer.Option("--examples", min=0, help="Show the K most disputed tokens per side.")
+        int,
+        typer.Option(
+            "--examples", metavar="K", min=0, help="Show the K most disputed tokens per side."
+        ),
     ] = 0,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
@@ -602,8 +849,11 @@ def compare(
     include_unstable: UnstableOpt = False,
     json_: JsonOpt = False,
 ) -> None:
-    """Two rules on the same tokens: masked by both, only A, only B, neither; their mean
-    probabilities and |p - q| mass; where (inference-probability buckets) they disagree."""
+    """Two rules on the same tokens: which tokens each masks that the other keeps.
+
+    Tokens masked by both, only A, only B, neither; their mean probabilities and |p - q|
+    mass; where (inference-probability buckets) the two disagree.
+    """
 
     def body():
         from .analysis import compare as run_compare
@@ -647,6 +897,7 @@ def compare(
                 _fmt_num(c["mean_p"]),
                 _fmt_num(c["mass"]),
             )
+        _fit(t)
         out.print(t)
         out.print(f"Jaccard overlap of the masked sets: {_fmt_num(res['jaccard'])}")
         w = Table(title="where they disagree (inference probability q)", show_edge=False)
@@ -661,6 +912,7 @@ def compare(
                 f"{r['only_a']:,}",
                 f"{r['only_b']:,}",
             )
+        _fit(w)
         out.print(w)
         if res["examples"]:
             e = Table(title="most disputed tokens (largest |log p - log q|)", show_edge=False)
@@ -673,12 +925,13 @@ def compare(
                 e.add_column(c.replace("abs_dp", "|dp|"), justify="right")
             for x in res["examples"]:
                 _add_row(e, *[x[c].upper() if c == "masked_by" else _fmt_num(x[c]) for c in cols])
+            _fit(e)
             out.print(e)
 
     _run(body)
 
 
-@app.command()
+@command
 def drift(
     sources: Sources,
     rule: RuleOpt = None,
@@ -686,6 +939,7 @@ def drift(
         float,
         typer.Option(
             "--factor",
+            metavar="X",
             help="A step departs when its trimmed-mean k3 exceeds the baseline by this factor.",
         ),
     ] = 3.0,
@@ -693,12 +947,16 @@ def drift(
         int | None,
         typer.Option(
             "--baseline-steps",
+            metavar="N",
             min=1,
             help="Early steps forming the baseline (default: the first 20%, at least 3).",
         ),
     ] = None,
     min_run: Annotated[
-        int, typer.Option("--min-run", min=1, help="Consecutive departing steps that make drift.")
+        int,
+        typer.Option(
+            "--min-run", metavar="N", min=1, help="Consecutive departing steps that make drift."
+        ),
     ] = 3,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
@@ -708,9 +966,12 @@ def drift(
     include_unstable: UnstableOpt = False,
     json_: JsonOpt = False,
 ) -> None:
-    """Per-step mismatch (k1, k3, robust k3, |dp|) and masked fractions; flags sustained drift
+    """Per-step mismatch and masked fractions; flags the steps where the run drifted.
+
+    Per step: k1, k3, robust k3, |dp| and each rule's masked fraction. Flags sustained drift
     from an early-step baseline, reports lone heavy-tail steps as spikes (with the tokens
-    that caused them), and says whether each rule's masked fraction followed the mismatch."""
+    that caused them), and says whether each rule's masked fraction followed the mismatch.
+    """
 
     def body():
         from .analysis import drift as run_drift
@@ -723,48 +984,14 @@ def drift(
 
             print(to_json(res))
             return
-        labels = [k for k in res["steps"][0] if k.startswith("masked:")]
-        t = Table(
-            title=f"per step (baseline: steps {res['baseline_steps'][0]}.."
-            f"{res['baseline_steps'][-1]}, factor {res['factor']:g})",
-            show_edge=False,
-        )
-        for c in (
-            "step",
-            "tokens",
-            "k1",
-            "k3 mean",
-            "k3 trimmed",
-            "k3 median",
-            "|dp| mean",
-            *[x.removeprefix("masked:") for x in labels],
-            "flag",
-        ):
-            t.add_column(escape(c), justify="right")
-        for r in res["steps"]:
-            flag = "DRIFT" if r["drift"] else ("spike" if r["spike"] else "")
-            _add_row(
-                t,
-                str(r["step"]),
-                f"{r['tokens']:,}",
-                _fmt_num(r["kl_k1"]),
-                _fmt_num(r["kl_k3"]),
-                _fmt_num(r["kl_k3_trimmed"]),
-                _fmt_num(r["kl_k3_median"]),
-                _fmt_num(r["abs_dp_mean"]),
-                *[_pct(r[x]) for x in labels],
-                flag,
-            )
-        out.print(t)
-        fl = res["flagged_steps"]
+        _print_drift(res)
         out.print(
-            f"drift: {'steps ' + ', '.join(map(str, fl)) if fl else 'none'}; "
-            f"spikes: {', '.join(map(str, res['spike_steps'])) or 'none'}",
+            f"drift: {_steps(res['flagged_steps'])}; spikes: {_steps(res['spike_steps'])}",
             highlight=False,
         )
         for v in res["rules"]:
             ratio = f" (masked fraction x{v['ratio']:.3g})" if v.get("ratio") else ""
-            out.print(f"  {v['rule']}: {v['verdict']}{ratio}", highlight=False)
+            out.print(f"  {v['rule']}: {v['verdict']}{ratio}", highlight=False, markup=False)
         for s in res["spikes"]:
             toks = "; ".join(
                 f"k3={x['k3']:.3g} q={x['q']:.3g} p={x['p']:.3g}"
@@ -772,12 +999,66 @@ def drift(
                 + (f" pos {x['position']}" if "position" in x else "")
                 for x in s["tokens"][:3]
             )
-            out.print(f"  spike at step {s['step']}: {toks}", highlight=False)
+            out.print(f"  spike at step {s['step']}: {toks}", highlight=False, markup=False)
 
     _run(body)
 
 
-OutDir = Annotated[Path, typer.Option("--output", "-o", help="Directory to write into.")]
+def _steps(steps: list) -> str:
+    if not steps:
+        return "none"
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
+
+
+def _print_drift(res: dict) -> None:
+    """Two tables, so that both fit 80 columns: the per-step mismatch, then the masked
+    fraction of each rule setting per step (headed by the setting, one parameter a line;
+    as many settings per table as fit)."""
+    base = res["baseline_steps"]
+    flags = ["DRIFT" if r["drift"] else ("spike" if r["spike"] else "") for r in res["steps"]]
+    t = Table(
+        title=f"mismatch per step (baseline: steps {base[0]}..{base[-1]}, "
+        f"factor {res['factor']:g} on k3 trimmed)",
+        show_edge=False,
+    )
+    for c in ("step", "tokens", "k1", "k3 mean", "k3 trimmed", "k3 median", "|dp| mean", "flag"):
+        t.add_column(escape(c), justify="right", overflow="fold")
+    for r, flag in zip(res["steps"], flags, strict=True):
+        _add_row(
+            t,
+            str(r["step"]),
+            f"{r['tokens']:,}",
+            _fmt_num(r["kl_k1"]),
+            _fmt_num(r["kl_k3"]),
+            _fmt_num(r["kl_k3_trimmed"]),
+            _fmt_num(r["kl_k3_median"]),
+            _fmt_num(r["abs_dp_mean"]),
+            flag,
+        )
+    _fit(t)
+    out.print(t)
+    labels = [k for k in res["steps"][0] if k.startswith("masked:")]
+
+    def masked(cols: list[str]) -> Table:
+        m = Table(title="masked fraction per step", show_edge=False)
+        for c in ["step", *[_spec_header(x.removeprefix("masked:")) for x in cols], "flag"]:
+            m.add_column(escape(c), justify="right", overflow="fold")
+        for r, flag in zip(res["steps"], flags, strict=True):
+            _add_row(m, str(r["step"]), *[_pct(r[x]) for x in cols], flag)
+        return m
+
+    size = len(labels)
+    while size > 1 and not _fit(masked(labels[:size])):
+        size -= 1
+    for i in range(0, len(labels), size):
+        m = masked(labels[i : i + size])
+        _fit(m)
+        out.print(m)
+
+
+OutDir = Annotated[
+    Path, typer.Option("--output", "-o", metavar="DIR", help="Directory to write into.")
+]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Overwrite files that already exist in the directory.")
 ]
@@ -786,52 +1067,69 @@ SettingOpt = Annotated[
     typer.Option(
         "--rule",
         "-r",
+        metavar="SPEC",
         help="Settings to draw (repeatable SPEC). Default: IPO 0.3 and 0.1, IcePop [0.2, 5] "
         "and [0.5, 5], KPop 0.1, DPPO-TV 0.2 (when the log has advantages).",
     ),
 ]
 
 
-@app.command()
+@command
 def plot(
     sources: Sources,
     output: OutDir = Path("mismatch-replay-plots"),
     rule: SettingOpt = None,
-    fmt: Annotated[str, typer.Option("--format", help="png, svg or pdf.")] = "png",
+    image_format: Annotated[
+        str,
+        typer.Option("--image-format", metavar="png|svg|pdf", help="The figures' file format."),
+    ] = "png",
     target_fraction: Annotated[
         float | None,
-        typer.Option("--target-fraction", "-t", help="Reference line on the masked-fraction plot."),
+        typer.Option(
+            "--target-fraction",
+            "-t",
+            metavar="F",
+            help="Reference line on the masked-fraction plot.",
+        ),
     ] = None,
     force: ForceOpt = False,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
     batch_rows: BatchOpt = 1_000_000,
-    log_format: Annotated[
-        str | None,
-        typer.Option(
-            "--log-format", help="The log's format (as --format of sweep); default: detect."
-        ),
-    ] = None,
+    fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    log_format: Annotated[str | None, typer.Option("--log-format", hidden=True)] = None,
 ) -> None:
-    """Draw scatter (q vs p with the IPO band and the IcePop cone), masked_fraction (every rule
+    """The four figures of a log, as PNG, SVG or PDF files.
+
+    scatter (q vs p with the IPO band and the IcePop cone), masked_fraction (every rule
     against its threshold), steps (k3 and masked fractions per step) and where_masked (masked
-    fraction per inference-probability bucket)."""
+    fraction per inference-probability bucket).
+    """
 
     def body():
+        from .errors import UsageError
         from .pipeline import plot as run_plot
 
-        opts = _options(map_, probs, drop_invalid, batch_rows, log_format, include_unstable)
+        if fmt in ("png", "svg", "pdf"):  # plot --format used to be the image format
+            raise UsageError(
+                f"--format {fmt}: --format is the log's format, as in every command; "
+                f"the image format is --image-format {fmt}."
+            )
+        log = fmt or log_format  # --log-format: the old name of --format here
+        opts = _options(map_, probs, drop_invalid, batch_rows, log, include_unstable)
         with _progress("plot") as cb:
-            paths = run_plot(sources, output, rule or None, fmt, target_fraction, force, opts, cb)
+            paths = run_plot(
+                sources, output, rule or None, image_format, target_fraction, force, opts, cb
+            )
         for name, p in paths.items():
-            out.print(f"{name:16s} {p}", highlight=False)
+            out.print(f"{name:16s} {p}", highlight=False, markup=False)
 
     _run(body)
 
 
-@app.command()
+@command
 def report(
     ctx: typer.Context,
     sources: Sources,
@@ -842,11 +1140,13 @@ def report(
         typer.Option(
             "--target-fraction",
             "-t",
+            metavar="F",
             help="The masked fraction the Decision section chooses thresholds for.",
         ),
     ] = 0.0025,
     bootstrap: Annotated[
-        int, typer.Option("--bootstrap", min=0, help="Bootstrap replicates (0: off).")
+        int,
+        typer.Option("--bootstrap", min=0, metavar="N", help="Bootstrap replicates (0: off)."),
     ] = 200,
     force: ForceOpt = False,
     map_: MapOpt = None,
@@ -856,9 +1156,11 @@ def report(
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
 ) -> None:
-    """One self-contained HTML page (index.html, figures embedded): the figures, the sweep
-    table, the log summary, the preset defaults, a Decision section (choose, compare, drift),
-    the exact command and the tool version."""
+    """Everything on one self-contained HTML page (index.html, figures embedded).
+
+    The figures, the sweep table, the log summary, the preset defaults, a Decision section
+    (choose, compare, drift), the exact command and the tool version.
+    """
 
     def body():
         from .pipeline import report as run_report
@@ -869,30 +1171,50 @@ def report(
             path = run_report(
                 sources, output, command, rule or None, target_fraction, bootstrap, force, opts, cb
             )
-        out.print(f"report: {path}", highlight=False)
+        out.print(f"report: {path}", highlight=False, markup=False)
 
     _run(body)
 
 
-@app.command()
+@command
 def simulate(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Parquet file to write.")],
-    scenario: Annotated[str, typer.Option("--scenario", help="healthy, stale or drift.")] = "drift",
-    steps: Annotated[int | None, typer.Option("--steps", min=1, help="RL steps.")] = None,
-    batch: Annotated[int | None, typer.Option("--batch", min=1, help="Sequences per step.")] = None,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", metavar="FILE", help="Parquet file to write.")
+    ],
+    scenario: Annotated[
+        str,
+        typer.Option("--scenario", metavar="healthy|stale|drift", help="healthy, stale or drift."),
+    ] = "drift",
+    steps: Annotated[
+        int | None, typer.Option("--steps", metavar="N", min=1, help="RL steps.")
+    ] = None,
+    batch: Annotated[
+        int | None,
+        typer.Option(
+            "--batch", metavar="N", min=1, help="Sequences per step (a multiple of 8, the group)."
+        ),
+    ] = None,
     seq_len: Annotated[
-        int | None, typer.Option("--seq-len", min=1, help="Response tokens per sequence.")
+        int | None,
+        typer.Option("--seq-len", metavar="N", min=1, help="Response tokens per sequence."),
     ] = None,
     staleness: Annotated[
         int | None,
-        typer.Option("--staleness", min=0, help="Optimizer steps the trainer leads the sampler."),
+        typer.Option(
+            "--staleness", metavar="N", min=0, help="Optimizer steps the trainer leads the sampler."
+        ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Same seed, same file, bit for bit.")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="N", help="Same seed, same file, bit for bit.")
+    ] = 0,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
 ) -> None:
-    """Write a token log whose mismatch comes from real numerics: a small transformer sampled
-    in bf16 by an 'inference engine' and rescored in fp32 by a 'trainer' that runs ahead by
-    --staleness optimizer steps, in an async policy-gradient loop (needs torch)."""
+    """Write a token log whose mismatch comes from real numerics (needs torch).
+
+    A small transformer sampled in bf16 by an 'inference engine' and rescored in fp32 by a
+    'trainer' that runs ahead by --staleness optimizer steps, in an async policy-gradient
+    loop.
+    """
 
     def body():
         import dataclasses
@@ -906,50 +1228,58 @@ def simulate(
             raise UsageError(str(exc)) from None
         if scenario not in SCENARIOS:
             raise UsageError(f"--scenario {scenario}: use one of {', '.join(SCENARIOS)}.")
+        given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
+        try:  # SimConfig checks its fields: a bad combination is a usage error, no traceback
+            cfg = dataclasses.replace(
+                SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}
+            )
+            if staleness == 0:
+                cfg = dataclasses.replace(cfg, staleness=0)
+            cfg.validate()
+        except ValueError as exc:
+            raise UsageError(f"simulate: {exc}.") from None
         if output.exists():
             if not force:
                 raise UsageError(f"-o {output}: the file exists. Pass --force to overwrite it.")
             output.unlink()
         output.parent.mkdir(parents=True, exist_ok=True)
-        given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
-        cfg = dataclasses.replace(
-            SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}
-        )
-        if staleness == 0:
-            cfg = dataclasses.replace(cfg, staleness=0)
-        with _progress("simulate") as cb:
+        with _progress("simulate", unit="steps") as cb:
             summary = run_sim(cfg, output, progress=cb)
         err.print(
             f"wrote {output}: {summary.get('tokens', 0):,} tokens, "
             f"{summary.get('tokens_per_second', 0):,.0f} tokens/s",
             highlight=False,
+            markup=False,
         )
 
     _run(body)
 
 
-@app.command()
+@command
 def demo(
     output: OutDir = Path("mismatch-replay-demo"),
     force: ForceOpt = False,
 ) -> None:
-    """The whole tool on the bundled sample log (a simulated run that drifts): inspect, sweep,
-    figures and the HTML report, written into ./mismatch-replay-demo/."""
+    """The whole tool on the bundled sample log, no arguments needed.
+
+    The sample is a simulated run that drifts: inspect, sweep, the figures and the HTML
+    report, written into ./mismatch-replay-demo/.
+    """
 
     def body():
         from .pipeline import demo as run_demo
 
         with _progress("demo") as cb:
             paths = run_demo(output, force, cb)
-        out.print(f"[bold]mismatch-replay demo[/] wrote {output}/:")
+        out.print(f"[bold]mismatch-replay demo[/] wrote {escape(str(output))}/:", highlight=False)
         for name, p in paths.items():
-            out.print(f"  {name:16s} {p}", highlight=False)
-        out.print(f"Open {paths['report']} in a browser.", highlight=False)
+            out.print(f"  {name:16s} {p}", highlight=False, markup=False)
+        out.print(f"Open {paths['report']} in a browser.", highlight=False, markup=False)
 
     _run(body)
 
 
-@app.command()
+@command
 def convert(
     sources: Sources,
     output: Annotated[
@@ -957,18 +1287,22 @@ def convert(
         typer.Option(
             "--output",
             "-o",
+            metavar="PATH",
             help="The canonical table: FILE.parquet, or a directory with --partition-by step.",
         ),
     ],
     partition_by: Annotated[
         str | None,
         typer.Option(
-            "--partition-by", help="Write a hive layout, one directory per step: DIR/step=N/."
+            "--partition-by",
+            metavar="step",
+            help="Write a hive layout, one directory per step: DIR/step=N/.",
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     row_group_rows: Annotated[
-        int, typer.Option("--row-group-rows", min=1, help="Rows per Parquet row group.")
+        int,
+        typer.Option("--row-group-rows", metavar="N", min=1, help="Rows per Parquet row group."),
     ] = 1_000_000,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
@@ -978,8 +1312,10 @@ def convert(
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
 ) -> None:
-    """Convert any supported token log (prime-rl, NeMo-RL, slime, JSONL, Parquet) to the
-    canonical token table, zstd Parquet, loss tokens only: convert once, replay fast after.
+    """Any supported log to the canonical token table: convert once, replay fast after.
+
+    Reads prime-rl, NeMo-RL, slime, JSONL or Parquet logs; writes zstd Parquet, loss tokens
+    only.
 
     Written to a temporary file and renamed at the end, so an interrupted run leaves nothing.
     """
@@ -1005,7 +1341,7 @@ def convert(
                 highlight=False,
             )
             for k, n in s["dropped"].items():
-                err.print(f"  {k}: {n:,}", highlight=False)
+                err.print(f"  {k}: {n:,}", highlight=False, markup=False)
         if json_:
             from .output import to_json
 
@@ -1016,6 +1352,7 @@ def convert(
             f"{s['format']} file(s) to {s['output']}: {s['bytes'] / 1e6:.3g} MB zstd Parquet, "
             f"in {s['seconds']:.3g} s ({(s['tokens_per_s'] or 0):,.0f} tokens/s)",
             highlight=False,
+            markup=False,
         )
 
     _run(body)
@@ -1031,7 +1368,7 @@ def _root(
 
 
 def main() -> None:
-    app()
+    app(prog_name="mismatch-replay")  # also under `python -m mismatch_replay`
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from . import analysis, io
 from .errors import UsageError
+from .output import ensure_dir, exists
 
 FIGURES = ("scatter", "masked_fraction", "steps", "where_masked")
 SAMPLE = "sample_drift.parquet"
@@ -30,9 +31,10 @@ def sample_path() -> Path:
 
 
 def _refuse_existing(outdir: Path, names: Sequence[str], force: bool) -> None:
+    exists(outdir)  # a name too long: one sentence, before any work
     if force:
         return
-    present = [n for n in names if (outdir / n).exists()]
+    present = [n for n in names if exists(outdir / n)]
     if present:
         raise UsageError(
             f"{outdir}: {', '.join(present)} already exist(s). Pass --force to overwrite, or "
@@ -55,10 +57,10 @@ def plot(
 
     outdir = Path(outdir)
     if fmt not in ("png", "svg", "pdf"):
-        raise UsageError(f"--format {fmt}: use png, svg or pdf.")
+        raise UsageError(f"--image-format {fmt}: use png, svg or pdf.")
     _refuse_existing(outdir, [f"{n}.{fmt}" for n in FIGURES], force)
     data = analysis.figure_data(sources, settings, options=options, progress=progress)
-    outdir.mkdir(parents=True, exist_ok=True)
+    ensure_dir(outdir)
     return plots.render_all(data, outdir, fmt, target_fraction=target_fraction, force=force)
 
 
@@ -85,7 +87,7 @@ def report(
     dec = analysis.decisions(
         sources, target_fraction, bootstrap=bootstrap, options=options, progress=progress
     )
-    outdir.mkdir(parents=True, exist_ok=True)
+    ensure_dir(outdir)
     return page.write_report(
         data,
         outdir,
@@ -112,18 +114,18 @@ def demo(
     _refuse_existing(
         outdir, ["inspect.json", "sweep.csv", "index.html", *[f"{n}.png" for n in FIGURES]], force
     )
-    outdir.mkdir(parents=True, exist_ok=True)
+    ensure_dir(outdir)
     summary = inspect_log(src, progress=progress)
     inspect_json = atomic_write(
-        outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n")
+        outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
     )
     res = sweep(src, progress=progress)
-    sweep_csv = write_table(res.table, outdir / "sweep.csv", force=True)
+    sweep_csv = write_table(res.table, outdir / "sweep.csv", force=force)
     index = report(
         src,
         outdir,
         command=f"mismatch-replay demo -o {outdir}",
-        force=True,
+        force=force,
         progress=progress,
     )
     out = {"inspect": inspect_json, "sweep": sweep_csv, "report": index}

@@ -28,9 +28,7 @@ Artists carry a `gid` ("ipo-upper|eps=0.3", "sweep|icepop|high=5|low", "preset|.
 from __future__ import annotations
 
 import math
-import os
 import textwrap
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -994,13 +992,17 @@ def where_masked(data: FigureData, ax: Axes | None = None) -> Figure:
     n = max(len(settings), 1)
     width = 0.84 / n
     bucket_tokens = np.zeros(len(edges))
-    for _, part in settings[:1]:
+    # tokens per bucket from the first setting that counts them (a sequence rule has no
+    # per-bucket counts: tables.py)
+    counted = [part for _, part in settings if part["tokens"].null_count() < part.height]
+    for part in counted[:1]:
         for row in part.iter_rows(named=True):
-            bucket_tokens[edges.index(row["q_bucket"])] = row["tokens"]
+            bucket_tokens[edges.index(row["q_bucket"])] = row["tokens"] or 0
     ymin, ymax = 1.0, 1e-7
     for j, (spec, part) in enumerate(settings):
         kind = part["kind"][0]
         col = _fraction_column(kind)
+        uncounted = part[col].null_count() == part.height  # a sequence rule: tables.py
         part = part.filter(pl.col(col).is_not_null() & pl.col(col).is_not_nan())
         idx = np.array([edges.index(b) for b in part["q_bucket"].to_list()], dtype=float)
         h = part[col].to_numpy().astype(float)
@@ -1010,6 +1012,7 @@ def where_masked(data: FigureData, ax: Axes | None = None) -> Figure:
             ymax = max(ymax, float(pos.max()))
         color, _, k = styles[spec]
         label = spec_label(spec) + (" (truncated)" if kind == "weight" else "")
+        label += " (a sequence rule: not counted per bucket)" if uncounted else ""
         ax.bar(
             idx + (j - (n - 1) / 2) * width,
             h,
@@ -1082,27 +1085,20 @@ def figures(data: FigureData, target_fraction: float | None = None) -> dict[str,
     }
 
 
-def save(fig: Figure, path: Path, fmt: str, dpi: int = 150) -> Path:
-    """Write a figure atomically: a temp file in the same folder, then os.replace."""
+def save(fig: Figure, path: Path, fmt: str, dpi: int = 150, force: bool = True) -> Path:
+    """Write a figure atomically (output.atomic_write: a hidden temporary file in the same
+    folder, then an exclusive publish unless force)."""
     from . import __version__
+    from .output import atomic_write
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "png": {"Software": f"mismatch-replay {__version__}"},
         "svg": {"Date": None},
         "pdf": {"CreationDate": None},
     }[fmt]
-    # a fresh name in the target's folder (same file system: os.replace is atomic); opened
-    # by savefig itself, so the file gets the usual mode from the umask
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        fig.savefig(tmp, format=fmt, dpi=dpi, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(
+        Path(path), lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, metadata=meta), force
+    )
 
 
 def render_all(
@@ -1128,7 +1124,9 @@ def render_all(
     if existing and not force:
         more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
         raise UsageError(f"{existing[0]}: the file exists{more}; pass --force to overwrite it.")
-    outdir.mkdir(parents=True, exist_ok=True)
+    from .output import ensure_dir
+
+    ensure_dir(outdir)
     for name, build in figures(data, target_fraction).items():
-        save(build(), targets[name], fmt, dpi)
+        save(build(), targets[name], fmt, dpi, force=force)
     return targets

@@ -14,6 +14,15 @@ masked_sequence_fraction, masked_mass, masked_mass_fraction, is_masked_mean (pri
 is_masked/mean, with match="prime-rl"), weight_mean, weight_max, weight_ess, level, kind, spec.
 
 Undefined values (no sequences in the log, a weight statistic of a mask rule) are null.
+
+Grouping by a token property (`q_bucket`, the inference probability of each token) splits a
+sequence over several groups, while the replay keeps one group per sequence (its first
+token's). Counts that need a sequence inside one group are therefore null there: the
+sequence columns (sequences, masked_sequences, masked_sequence_fraction, is_masked_mean) of
+every rule, and every count of a sequence rule (it masks whole sequences, so its tokens per
+bucket would need each sequence's tokens per bucket, which the replay does not keep). Token
+and m2po counts per bucket are exact. `step` and `env` are constant within a sequence: every
+column is defined there.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from . import kernels
+from . import kernels, pmath
 from .engine import (
+    Q_BUCKET_EDGES,
     Job,
     Tally,
     _accumulate,
@@ -33,6 +43,23 @@ from .engine import (
     m2po_resolve,
 )
 from .rules import LOG_CLAMP
+
+# Group keys that vary within a sequence (see the module docstring).
+TOKEN_GROUPS = ("q_bucket",)
+SEQUENCE_COLUMNS = ("sequences", "masked_sequences", "masked_sequence_fraction", "is_masked_mean")
+COUNT_COLUMNS = (
+    "tokens",
+    "masked_tokens",
+    "masked_fraction",
+    "truncated_tokens",
+    "truncated_fraction",
+    "masked_mass",
+    "masked_mass_fraction",
+    "weight_mean",
+    "weight_max",
+    "weight_ess",
+)
+INT_COLUMNS = ("tokens", "masked_tokens", "truncated_tokens", "sequences", "masked_sequences")
 
 COLUMNS = (
     "rule",
@@ -240,7 +267,7 @@ def _weight_stats(bins: _JobBins, job: Job, inv: np.ndarray):
     K = width - 2
     # the value at each sorted threshold position; a truncated token's weight is the cap, but
     # never beyond the clamped ratio's range [e^-20, e^20] (weights use exp(clip(l, -20, 20)))
-    cap = np.clip(job.values[job.order], np.exp(-LOG_CLAMP), np.exp(LOG_CLAMP))
+    cap = np.clip(job.values[job.order], pmath.exp(-LOG_CLAMP), pmath.exp(LOG_CLAMP))
     cnt = bins.count.astype(float)
     pre_sum = np.cumsum(bins.wsum, axis=1)  # bins 0..k untruncated natural weights
     pre_sq = np.cumsum(bins.wsq, axis=1)
@@ -300,6 +327,10 @@ def _job_data(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> dict[str, o
     )
     for k in ("weight_mean", "weight_max", "weight_ess"):
         data[k] = flat[k].astype(float) if k in flat else np.full(n_rows, np.nan)
+    if tally.by in TOKEN_GROUPS:  # a sequence spans groups: undefined per group
+        undefined = SEQUENCE_COLUMNS + (COUNT_COLUMNS if rule.level == "sequence" else ())
+        for k in undefined:
+            data[k] = np.full(n_rows, np.nan)
     data["level"] = [rule.level] * n_rows
     data["kind"] = [rule.kind] * n_rows
     specs = {v: rule.replace(**{param: v}).spec() for v in set(flat["value"].tolist())}
@@ -313,10 +344,7 @@ def _frame(data: dict[str, object]) -> pl.DataFrame:
     df = df.with_columns(
         [pl.col(c).fill_nan(None) for c, t in df.schema.items() if t == pl.Float64]
     )
-    return df.with_columns(
-        pl.col("sequences").cast(pl.Int64),
-        pl.col("masked_sequences").cast(pl.Int64),
-    )
+    return df.with_columns([pl.col(c).cast(pl.Int64) for c in INT_COLUMNS])
 
 
 def sweep_table(tally: Tally) -> pl.DataFrame:
@@ -354,6 +382,30 @@ def sweep_table(tally: Tally) -> pl.DataFrame:
             .drop("_job")
         )
     return df
+
+
+def loss_tokens(df: pl.DataFrame, by: str | None = None) -> int | None:
+    """The loss tokens a sweep table counts: the tokens of one row, or with `by`, of one
+    rule setting and value summed over its groups (each token is in exactly one group).
+    Rows without counts (a sequence rule by q_bucket) are skipped; None if no row counts."""
+    rows = df.filter(pl.col("tokens").is_not_null())
+    if rows.height == 0:
+        return None
+    if by is None:
+        return int(rows["tokens"].max())
+    first = rows.row(0, named=True)
+    keys = ("rule", "setting", "param", "value")
+    one = rows.filter(pl.all_horizontal([pl.col(k).eq_missing(first[k]) for k in keys]))
+    return int(one["tokens"].sum())
+
+
+def q_bucket_label(low: float) -> str:
+    """'[0.01, 0.1)' for the q_bucket whose lower edge is 0.01; the last is closed: '[0.99, 1]'."""
+    edges = list(Q_BUCKET_EDGES)
+    j = edges.index(low)
+    if j + 1 == len(edges):
+        return f"[{low:g}, 1]"
+    return f"[{low:g}, {edges[j + 1]:g})"
 
 
 def preview(df: pl.DataFrame, per_job: int = 9) -> pl.DataFrame:

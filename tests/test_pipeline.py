@@ -24,10 +24,15 @@ def test_plot_writes_the_four_figures_and_refuses_to_overwrite(tmp_path):
     r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out)])
     assert r.exit_code == 2 and "--force" in r.stderr
     assert (out / "scatter.png").stat().st_mtime_ns == before
-    r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "--format", "svg"])
+    r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "--image-format", "svg"])
     assert r.exit_code == 0 and (out / "steps.svg").exists()
-    r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "--format", "gif"])
+    r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "--image-format", "gif"])
     assert r.exit_code == 2 and "png, svg or pdf" in r.stderr
+    # --format is the log's format, as in every command; the old image-format use says so
+    r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "--format", "pdf"])
+    assert r.exit_code == 2 and "--image-format pdf" in r.stderr
+    r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "--format", "parquet", "--force"])
+    assert r.exit_code == 0, r.stderr
 
 
 def test_report_has_figures_command_version_and_decision(tmp_path):
