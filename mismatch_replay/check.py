@@ -78,7 +78,7 @@ class CheckResult:
     verdicts: list[Verdict]
     per_step: bool
     tokens: int
-    steps: int
+    steps: int | None  # with per_step
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -171,7 +171,7 @@ def check(
         decisive = worst if per_step else value
         ok = decisive is None or decisive <= lim.limit
         verdicts.append(Verdict(lim, value, worst_step, worst, ok))
-    steps = res.metrics.height if per_step else 0
+    steps = res.metrics.height if per_step else None
     return CheckResult(verdicts, per_step, tokens, steps, list(getattr(res, "notes", [])))
 
 

@@ -33,7 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import ReplayError
+from .errors import ReplayError, UsageError
 
 
 class _PlainFlags:
@@ -129,14 +129,15 @@ FormatOpt = Annotated[
         "--format",
         metavar="FORMAT",
         help="The log's format: auto (default: detected from the paths), parquet, jsonl, "
-        "prime-rl, nemo-rl or slime.",
+        "prime-rl (token export), prime-rl-traces, nemo-rl, slime or skyrl.",
     ),
 ]
 UnstableOpt = Annotated[
     bool,
     typer.Option(
         "--include-unstable",
-        help="prime-rl: also read steps without a STABLE marker (still being written).",
+        help="Also read steps not yet marked complete: prime-rl steps without STABLE, "
+        "captured steps (TokenWriter) without _SUCCESS.",
     ),
 ]
 
@@ -168,6 +169,7 @@ def _progress_columns(unit: str):
     import time
 
     from rich.progress import BarColumn, ProgressColumn, SpinnerColumn, TextColumn
+    from rich.table import Column
     from rich.text import Text
 
     def clock(seconds: float) -> str:
@@ -198,14 +200,17 @@ def _progress_columns(unit: str):
                 return Text("")
             return Text(f"eta {clock(left)}", style="progress.remaining")
 
+    def whole() -> Column:  # a column that never wraps: the bar gives way instead
+        return Column(no_wrap=True)
+
     return (
         SpinnerColumn(),
-        TextColumn("[bold]{task.description}"),
+        TextColumn("[bold]{task.description}", table_column=whole()),
         BarColumn(bar_width=None),  # what the other columns leave
-        Count(),
-        Rate(),
-        Elapsed(),
-        Left(),
+        Count(table_column=whole()),
+        Rate(table_column=whole()),
+        Elapsed(table_column=whole()),
+        Left(table_column=whole()),
     )
 
 
@@ -418,15 +423,21 @@ def inspect(
     """
 
     def body():
+        from .adapters import prime_check
         from .summary import inspect_log
 
         with _progress("inspect") as cb:
             opts = _options(map_, probs, True, batch_rows, fmt, include_unstable)
             s = inspect_log(sources, opts, progress=cb)
+        # a prime-rl log carries the run's own decisions: replay them (one more read)
+        agree = prime_check(sources, opts) if s.format.startswith("prime-rl") else None
         if json_:
             from .output import to_json
 
-            print(to_json(s.to_dict()))
+            d = s.to_dict()
+            if agree is not None:
+                d["prime_rl_check"] = agree.to_dict()
+            print(to_json(d))
             return
         t = Table(title="log", show_header=False)
         t.add_column("what", style="bold")
@@ -447,6 +458,8 @@ def inspect(
         _add_row(t, "sequences", "-" if s.sequences is None else f"{s.sequences:,}")
         inv = "none" if not s.invalid else "\n".join(f"{k}: {v:,}" for k, v in s.invalid.items())
         _add_row(t, "invalid rows", inv)
+        if agree is not None:
+            _add_row(t, "prime-rl check", agree.line())
         _fit(t)
         out.print(t)
         from .metrics import NAMES
@@ -468,6 +481,134 @@ def inspect(
                 _add_row(st, *[_fmt_num(row[c]) for c in cols])
             _fit(st)
             out.print(st)
+
+    _run(body)
+
+
+@command
+def check(
+    sources: Sources,
+    max_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--max",
+            metavar="METRIC=V",
+            help="A metric limit (repeatable): the metric must be at most V, e.g. "
+            "--max kl_k3=0.01; the tool's names (inspect lists them) or a dashboard's "
+            "(mismatch_kl/all/mean, rollout_corr/k3_kl, training/rollout_probs_diff_max, ...).",
+        ),
+    ] = None,
+    rule: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rule",
+            "-r",
+            metavar="SPEC",
+            help="A rule at one setting whose masked fraction is limited by the --max-masked "
+            "given after it (repeatable), e.g. -r ipo:eps=0.3 --max-masked 0.01.",
+        ),
+    ] = None,
+    max_masked: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--max-masked",
+            metavar="F",
+            help="The largest masked token fraction (0..1) allowed for each --rule, in order; "
+            "one value for all of them, or one per --rule.",
+        ),
+    ] = None,
+    per_step: Annotated[
+        bool,
+        typer.Option("--per-step", help="Every step must hold every limit (the worst decides)."),
+    ] = False,
+    map_: MapOpt = None,
+    probs: ProbsOpt = False,
+    drop: DropOpt = False,
+    batch_rows: BatchOpt = 1_000_000,
+    json_: JsonOpt = False,
+    fmt: FormatOpt = None,
+    include_unstable: UnstableOpt = False,
+) -> None:
+    """A CI gate: exit 0 when every limit holds, 3 when one is exceeded.
+
+    Replays the log once through the rules named with --rule and judges each limit on the
+    whole log (or, with --per-step, on every step). Prints a verdict table (limit, value,
+    worst step); --json adds `violations`. Exit codes: 0 pass, 3 a limit exceeded, 1 bad
+    data, 2 bad usage.
+    """
+    from .check import masked_limit, metric_limit
+
+    def body():
+        from .check import check as run_check
+
+        specs = rule or []
+        fracs = max_masked or []
+        if specs and len(fracs) not in (1, len(specs)):
+            raise UsageError(
+                f"--max-masked: give one value for all {len(specs)} --rule options or one "
+                f"for each (got {len(fracs)})."
+            )
+        if fracs and not specs:
+            raise UsageError("--max-masked limits the rule given with --rule: add -r SPEC.")
+        if specs and not fracs:
+            raise UsageError("--rule needs a limit: add --max-masked F (a fraction, 0..1).")
+        limits = [metric_limit(m) for m in (max_ or [])]
+        limits += [
+            masked_limit(sp, fracs[i] if len(fracs) > 1 else fracs[0]) for i, sp in enumerate(specs)
+        ]
+        with _progress("check") as cb:
+            opts = _options(map_, probs, drop, batch_rows, fmt, include_unstable)
+            res = run_check(sources, limits, per_step=per_step, options=opts, progress=cb)
+        if json_:
+            from .output import to_json
+
+            def row(v):
+                return {
+                    "limit": v.limit.label,
+                    "kind": v.limit.kind,
+                    "metric": v.limit.name if v.limit.kind == "metric" else None,
+                    "rule": v.limit.name if v.limit.kind == "masked" else None,
+                    "max": v.limit.limit,
+                    "value": v.value,
+                    "worst_step": v.worst_step,
+                    "worst_value": v.worst_value,
+                    "ok": v.ok,
+                }
+
+            print(
+                to_json(
+                    {
+                        "passed": res.passed,
+                        "per_step": res.per_step,
+                        "tokens": res.tokens,
+                        "steps": res.steps,
+                        "verdicts": [row(v) for v in res.verdicts],
+                        "violations": [row(v) for v in res.violations],
+                    }
+                )
+            )
+        else:
+            scope = f"every one of {res.steps:,} steps" if per_step else "the whole log"
+            t = Table(title=f"check: {res.tokens:,} loss tokens, limits on {scope}")
+            for c, j in (("limit", "left"), ("max", "right"), ("value", "right")):
+                t.add_column(c, justify=j)
+            if per_step:
+                t.add_column("worst step", justify="right")
+                t.add_column("worst value", justify="right")
+            t.add_column("verdict")
+            for v in res.verdicts:
+                cells = [v.limit.label, _fmt_num(v.limit.limit), _fmt_num(v.value)]
+                if per_step:
+                    cells += [_fmt_num(v.worst_step), _fmt_num(v.worst_value)]
+                t.add_row(*[escape(c) for c in cells], "ok" if v.ok else "[bold red]EXCEEDED[/]")
+            _fit(t)
+            out.print(t)
+        if not res.passed:
+            n = len(res.violations)
+            err.print(
+                f"check failed: {n} of {len(res.verdicts)} limit(s) exceeded", highlight=False
+            )
+            raise typer.Exit(3)
 
     _run(body)
 

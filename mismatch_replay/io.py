@@ -8,8 +8,11 @@ format detected from its path (`adapters.detect`: `step_<n>/rank_<r>.jsonl` prim
 or forced with `--format`. One call reads one format (a mix is refused: the schemas would
 not agree); a directory holding one framework's files and other files reads the framework's
 and says what it ignored. prime-rl steps without a `STABLE` marker are still being written
-and are skipped with a warning unless `include_unstable`. Warnings go to `Plan.warnings`,
-every `ReadReport.warnings`, and Python's warnings (`IngestWarning`; the CLI prints them).
+and are skipped with a warning unless `include_unstable`; so are the step directories
+`step=N/` of `capture.TokenWriter` (`rank=R.parquet` files) without a `_SUCCESS` marker yet
+(when found through a directory or a glob; a file named on its own is read). Warnings go to
+`Plan.warnings`, every `ReadReport.warnings`, and Python's warnings (`IngestWarning`; the CLI
+prints them).
 A hive directory `step=N/` supplies the step of a Parquet file that has no step column.
 A source with a scheme (`s3://bucket/prefix/`, `gs://...`, `hdfs://...`, `file://...`) goes
 through `pyarrow.fs`: an object, every .parquet under a prefix, or a glob; the files are
@@ -44,6 +47,7 @@ With `drop_invalid=True` the rows are dropped instead and counted in `ReadReport
 
 from __future__ import annotations
 
+import errno
 import glob as _glob
 import math
 import re
@@ -60,6 +64,7 @@ import pyarrow.parquet as pq
 from . import adapters
 from .adapters import FORMATS
 from .errors import DataError, UsageError
+from .output import is_temp
 
 REQUIRED = ("trainer_logprob", "inference_logprob")
 OPTIONAL = (
@@ -76,6 +81,11 @@ OPTIONAL = (
 CANONICAL = REQUIRED + OPTIONAL
 LOGPROB_COLUMNS = ("trainer_logprob", "inference_logprob", "old_logprob")
 POSITIVE_TOLERANCE = 1e-6  # log-probs in (0, 1e-6] are rounding noise and clipped to 0
+IO_TIMEOUT_S = 30.0  # default connect / request timeout of object-store sources
+# capture.TokenWriter's layout: step=N/rank=R.parquet, committed by a COMMIT_MARKER file in step=N/
+COMMIT_MARKER = "_SUCCESS"
+CAPTURE_FILE = re.compile(r"rank=\d+\.parquet")
+CAPTURE_DIR = re.compile(r"step=\d+")
 
 # Names real trainers use, in priority order (the canonical name itself always wins).
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -120,6 +130,9 @@ class ReadOptions:
     batch_rows: int = 1_000_000
     format: str | None = None  # one of FORMATS; None: detect from the paths
     include_unstable: bool = False  # prime-rl: read steps without a STABLE marker too
+    # seconds an object store (s3://, gs:// ...) may take to connect or answer one request
+    # before the read fails (--io-timeout); None: no limit
+    io_timeout: float | None = IO_TIMEOUT_S
 
     @property
     def block_bytes(self) -> int:
@@ -223,18 +236,36 @@ def _kinds_text(kinds: dict[str, list[Path]]) -> str:
     return ", ".join(f"{len(v)} {k} file(s) (e.g. {v[0]})" for k, v in kinds.items())
 
 
+def _rollout_note(skipped: list[Path]) -> str:
+    return (
+        f"skipped {len(skipped)} slime rollout dump(s) under {skipped[0].parent} (e.g. "
+        f"{skipped[0].name}): --dump-details writes the sampler's samples there, without "
+        "trainer log-probs; the train dumps beside them (train_data/) are read."
+    )
+
+
 def _walk(d: Path, forced: str | None, notes: list[str]) -> tuple[list[Path], str]:
     """The token-log files under a directory, and their format."""
     kinds: dict[str, list[Path]] = {}
     others = 0
+    rollout_dumps: list[Path] = []
     for x in sorted(d.rglob("*")):
-        if not x.is_file() or x.name.startswith("."):
+        # hidden files and directories are skipped: among them the temporaries of a write
+        # still running or killed (output.temp_name: .NAME.HOST-PID-RANDOM.tmp, a file or a
+        # partitioned convert's directory of step=N/ files)
+        if any(part.startswith(".") for part in x.relative_to(d).parts) or not x.is_file():
             continue
         k = adapters.detect(x)
         if k is None:
             others += 1
+        elif k == "slime" and forced in (None, "slime") and adapters.is_slime_rollout_dump(x):
+            rollout_dumps.append(x)
         else:
             kinds.setdefault(k, []).append(x)
+    if rollout_dumps and kinds.get("slime"):
+        notes.append(_rollout_note(rollout_dumps))
+    elif rollout_dumps:  # only rollout dumps: the reader says what they are
+        kinds["slime"] = rollout_dumps
     if forced is not None:
         found = kinds.get(forced, [])
         if not found and forced in adapters.JSON_FORMATS:  # --format names the layout
@@ -249,7 +280,7 @@ def _walk(d: Path, forced: str | None, notes: list[str]) -> tuple[list[Path], st
     if not kinds:
         raise DataError(
             f"{d}: the directory holds no .parquet file and no other token log (searched "
-            f"recursively for .parquet, .jsonl, .pt, prime-rl step_<n>/rank_<r>.jsonl; found "
+            f"recursively for .parquet, .jsonl, .pt, .pkl, prime-rl step_<n>/rank_<r>.jsonl; found "
             f"{others} other file(s)). Point at a directory of token logs, or convert the log "
             "first."
         )
@@ -421,6 +452,55 @@ def _resolve_uri(text: str, forced: str | None) -> list[tuple[Path, str, str]]:
     return [(x, "parquet", text) for x in sorted(parquet)]
 
 
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError as exc:  # a name too long, no permission to look
+        raise _not_a_file(p, exc) from None
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError as exc:
+        raise _not_a_file(p, exc) from None
+
+
+def _not_a_file(p: Path, exc: OSError | None = None) -> DataError:
+    """What a source that is neither a regular file nor a directory is: missing, a FIFO, a
+    socket, a device, a name too long, or out of reach."""
+    import stat
+
+    if exc is None:
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            return DataError(f"{p}: no such file or directory.")
+        except OSError as e:
+            exc = e
+        else:
+            kind = (
+                "a named pipe (FIFO)"
+                if stat.S_ISFIFO(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file"
+            )
+            return DataError(
+                f"{p}: that is {kind}, not a regular file; mismatch-replay reads token logs "
+                "from regular files only. Write the log to a file first."
+            )
+    if exc.errno == errno.ENAMETOOLONG:
+        return DataError(f"{p}: the name is too long for the file system. Check the path.")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return DataError(f"{p}: no permission to read it. Check its permissions.")
+    if exc.errno == errno.ELOOP:
+        return DataError(f"{p}: a loop of symbolic links. Point at the file itself.")
+    return DataError(f"{p}: cannot be read ({exc.strerror or exc}). Check the path.")
+
+
 def _resolve(
     sources: Sequence[str | Path], options: ReadOptions
 ) -> tuple[list[Path], str, list[str]]:
@@ -437,14 +517,25 @@ def _resolve(
         if is_uri(text):
             out.extend(_resolve_uri(text, forced))
         elif any(ch in text for ch in "*?["):
-            matched = [Path(x) for x in _glob.glob(text, recursive=True) if Path(x).is_file()]
+            matched = [
+                Path(x)
+                for x in _glob.glob(text, recursive=True)
+                if Path(x).is_file() and not any(is_temp(part) for part in Path(x).parts)
+            ]
             if not matched:
                 raise DataError(f"{text}: the glob matches no file. Check the pattern and quoting.")
             found = []
+            rollout_dumps = []
             for x in sorted(matched):
                 k = adapters.detect(x)
-                if k is not None:
+                if k == "slime" and forced in (None, "slime") and adapters.is_slime_rollout_dump(x):
+                    rollout_dumps.append(x)
+                elif k is not None:
                     found.append((x, forced or k, text))
+            if rollout_dumps and any(k == "slime" for _, k, _ in found):
+                notes.append(_rollout_note(rollout_dumps))
+            elif rollout_dumps:
+                found += [(x, "slime", text) for x in rollout_dumps]
             if not found:
                 raise DataError(
                     f"{text}: the glob matches {len(matched)} file(s) but none is a token log "
@@ -453,16 +544,18 @@ def _resolve(
             fmts = {k for _, k, _ in found}
             if fmts & set(adapters.FRAMEWORKS):
                 found.sort(key=lambda e: adapters.natural_key(e[0]))
-            out.extend(found)
-        elif p.is_dir():
+            kept = set(_committed_only(text, [x for x, _, _ in found], options, notes))
+            out.extend(e for e in found if e[0] in kept)
+        elif _is_dir(p):
             files, k = _walk(p, forced, notes)
             if k != "parquet":
                 files = sorted(files, key=adapters.natural_key)
+            files = _committed_only(text, files, options, notes)
             out.extend((x, k, text) for x in files)
-        elif p.is_file():
+        elif _is_file(p):
             out.append((p, forced or adapters.detect(p) or adapters.sniff(p), text))
         else:
-            raise DataError(f"{p}: no such file or directory.")
+            raise _not_a_file(p)
     seen: set[Path] = set()
     uniq = []
     for e in out:
@@ -484,6 +577,47 @@ def _resolve(
     if fmt == "prime-rl":
         files = _stable_only(files, options.include_unstable, notes)
     return files, fmt, notes
+
+
+def _committed_only(
+    source: str, files: list[Path], options: ReadOptions, notes: list[str]
+) -> list[Path]:
+    """capture.TokenWriter commits a step directory `step=N/` by writing COMMIT_MARKER into it
+    once every rank's `rank=R.parquet` is in; until then the step is still being written and
+    its files are left out, with a note (read anyway with `include_unstable`)."""
+    pending = sorted(
+        {
+            f.parent
+            for f in files
+            if CAPTURE_FILE.fullmatch(f.name)
+            and CAPTURE_DIR.fullmatch(f.parent.name)
+            and not (f.parent / COMMIT_MARKER).exists()
+        },
+        key=adapters.natural_key,
+    )
+    if not pending:
+        return files
+    names = ", ".join(str(d) for d in pending[:5]) + (" ..." if len(pending) > 5 else "")
+    if options.include_unstable:
+        notes.append(
+            f"reading {len(pending)} captured step(s) without a {COMMIT_MARKER} marker "
+            f"(--include-unstable): {names}. Some ranks may not have written theirs yet."
+        )
+        return files
+    skip = set(pending)
+    kept = [f for f in files if f.parent not in skip]
+    if not kept:
+        raise DataError(
+            f"{source}: every captured step is still being written (no {COMMIT_MARKER} marker "
+            f"in {names}). Wait for the writer to commit a step (TokenWriter.flush() or "
+            "close()), or pass --include-unstable to read them as they are."
+        )
+    notes.append(
+        f"skipped {len(pending)} captured step(s) without a {COMMIT_MARKER} marker (still "
+        f"being written, or a rank has not committed): {names}. Pass --include-unstable to "
+        "read them."
+    )
+    return kept
 
 
 def _stable_only(files: list[Path], include: bool, notes: list[str]) -> list[Path]:
@@ -526,13 +660,127 @@ def _read_schema(path: Path) -> tuple[pa.Schema, int]:
 
 
 def _is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    return (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_fixed_size_list(t)
+        or pa.types.is_list_view(t)
+        or pa.types.is_large_list_view(t)
+    )
+
+
+# What each canonical column may hold (a list column: its values): (one value, several,
+# the arrow kinds accepted)
+_FLOAT = ("a number", "numbers", ("float", "integer", "decimal", "null"))
+_INT = ("an integer", "integers", ("integer", "float", "decimal", "null"))  # whole floats only
+COLUMN_KINDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "trainer_logprob": _FLOAT,
+    "inference_logprob": _FLOAT,
+    "old_logprob": _FLOAT,
+    "advantage": _FLOAT,
+    "entropy": _FLOAT,
+    "step": _INT,
+    "position": _INT,
+    "token_id": _INT,
+    "sample_id": ("an integer or a string", "integers or strings", ("integer", "string", "null")),
+    "loss_mask": ("a boolean", "booleans (or 0/1)", ("boolean", "integer", "float", "null")),
+    "env": ("a string", "strings", ("string", "integer", "boolean", "null")),
+}
+
+
+def _arrow_kind(t: pa.DataType) -> str:
+    """float, integer, decimal, string, boolean, null, list, struct, map, or the type."""
+    if pa.types.is_dictionary(t):
+        return _arrow_kind(t.value_type)
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_decimal(t):
+        return "decimal"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_null(t):
+        return "null"
+    if _is_list(t):
+        return "list"
+    if pa.types.is_struct(t):
+        return "struct"
+    if pa.types.is_map(t):
+        return "map"
+    return str(t)
+
+
+_KIND_TEXT = {
+    "string": "text (strings)",
+    "boolean": "booleans",
+    "list": "lists of lists",
+    "struct": "nested structs",
+    "map": "maps",
+    "decimal": "decimals",
+}
+
+
+# payload columns only some rules need: one of the wrong type is left out with a warning
+# (the rules that need it say so); every other column of the wrong type is an error
+_LEAVE_OUT = ("advantage", "entropy", "old_logprob", "env", "token_id")
+
+
+def _check_types(
+    path: Path,
+    schema: pa.Schema,
+    source: dict[str, str],
+    rows: int,
+    options: ReadOptions,
+    notes: list[str] | None,
+) -> list[str]:
+    """Refuse, from the schema alone, a column whose type cannot hold its canonical column
+    (text log-probs or steps, nested structs, lists of lists): one sentence, before reading.
+    A payload column (_LEAVE_OUT) found by its name is left out instead, with a note; returns
+    those canonical names."""
+    out = []
+    for canon, src in source.items():
+        one, several, kinds = COLUMN_KINDS.get(canon, ("", "", ()))
+        if not kinds:
+            continue
+        t = schema.field(src).type
+        inner = t.value_type if _is_list(t) else t
+        kind = _arrow_kind(inner)
+        if kind in kinds:
+            continue
+        what = _KIND_TEXT.get(kind, f"values of type {inner}")
+        if _is_list(t) and kind != "list":
+            what += " inside its lists"
+        name = f"'{src}'" + (f" (read as {canon})" if src != canon else "")
+        fix = (
+            f"Flatten it in the export ({one} per token, or one flat list per sequence)"
+            if kind in ("list", "struct", "map")
+            else f"Write {several} in the export (cast the column)"
+        )
+        text = (
+            f"{path}: column {name} holds {what} (type {t}) in all {rows:,} rows, but {canon} "
+            f"takes {one} per token."
+        )
+        if canon in _LEAVE_OUT and canon not in options.mapping:
+            out.append(canon)
+            if notes is not None:
+                notes.append(
+                    f"{text} Left it out (rules that need {canon} will say so); {fix[0].lower()}"
+                    f"{fix[1:]} to use it."
+                )
+            continue
+        raise DataError(f"{text} {fix}, or --map {canon}=COLUMN to read another column.")
+    return out
 
 
 def _choose_columns(
-    path: Path, names: list[str], options: ReadOptions
+    path: Path, names: list[str], options: ReadOptions, notes: list[str] | None = None
 ) -> tuple[dict[str, str], set[str]]:
-    """canonical -> source column, and which log-prob columns are probabilities."""
+    """canonical -> source column, and which log-prob columns are probabilities. `notes`
+    (the first file's call) gets a warning for a canonical column present under two accepted
+    names, and for one source column feeding both log-prob columns."""
     source: dict[str, str] = {}
     probs: set[str] = set()
     for canon, theirs in options.mapping.items():
@@ -560,6 +808,22 @@ def _choose_columns(
                     source[canon] = cand
                     probs.add(canon)
                     break
+        cands = (canon, *ALIASES.get(canon, ()), *PROB_ALIASES.get(canon, ()))
+        present = [c for c in cands if c in names]
+        if notes is not None and len(present) > 1:
+            others = ", ".join(f"'{c}'" for c in present[1:])
+            notes.append(
+                f"{path}: the log has {canon} under {len(present)} accepted names ("
+                f"{', '.join(repr(c) for c in present)}); read '{present[0]}' and ignored "
+                f"{others}. Pass --map {canon}={present[1]} to read the other."
+            )
+    lp = [source.get(c) for c in ("trainer_logprob", "inference_logprob")]
+    if notes is not None and lp[0] is not None and lp[0] == lp[1]:
+        notes.append(
+            f"{path}: trainer_logprob and inference_logprob both read column '{lp[0]}', so "
+            "every token's mismatch is 0 and no rule masks anything. Check the --map options "
+            "(--map trainer_logprob=... --map inference_logprob=... name two columns)."
+        )
     if options.probs:
         probs |= {c for c in LOGPROB_COLUMNS if c in source}
     missing = [c for c in REQUIRED if c not in source]
@@ -579,7 +843,7 @@ def plan_sources(sources: Sequence[str | Path], options: ReadOptions | None = No
     options = options or ReadOptions()
     files, fmt, notes = _resolve(sources, options)
     if fmt == "parquet":
-        plan = _plan_parquet(files, options)
+        plan = _plan_parquet(files, options, notes)
     else:
         plan = _plan_records(files, fmt, options, notes)
     steps = tuple(adapters.path_step(f, fmt) for f in files)
@@ -592,6 +856,7 @@ def plan_sources(sources: Sequence[str | Path], options: ReadOptions | None = No
 def _agree(
     entries: Iterator[tuple[Path, list[str], dict[str, tuple[bool, str]]]],
     options: ReadOptions,
+    notes: list[str] | None = None,
 ) -> tuple[Path, dict[str, str], set[str], frozenset[str]] | None:
     """Column mapping every file agrees on. `entries`: (path, column names, name -> (is a
     list, type shown in errors)). Returns (first path, source, probs, list columns), or None
@@ -600,7 +865,7 @@ def _agree(
     plan_source: dict[str, str] = {}
     probs: set[str] = set()
     for path, names, kinds in entries:
-        source, p = _choose_columns(path, names, options)
+        source, p = _choose_columns(path, names, options, notes if first is None else None)
         types = {c: kinds[source[c]] for c in source}
         if first is None:
             first = (path, source, types)
@@ -635,19 +900,25 @@ def _agree(
     return first[0], plan_source, probs, list_cols
 
 
-def _plan_parquet(files: list[Path], options: ReadOptions) -> Plan:
+def _plan_parquet(files: list[Path], options: ReadOptions, notes: list[str] | None = None) -> Plan:
     rows: list[int] = []
+    schemas: list[pa.Schema] = []
 
     def entries():
         for path in files:
             schema, n = _read_schema(path)
             rows.append(n)
+            schemas.append(schema)
             kinds = {f.name: (_is_list(f.type), str(f.type)) for f in schema}
             yield path, list(schema.names), kinds
 
-    agreed = _agree(entries(), options)
+    agreed = _agree(entries(), options, notes)
     assert agreed is not None  # resolve_sources never returns an empty list
     _, source, probs, list_cols = agreed
+    for path, schema, n in zip(files, schemas, rows, strict=True):
+        for canon in _check_types(path, schema, source, n, options, notes):
+            source.pop(canon, None)
+    list_cols = frozenset(c for c in list_cols if c in source)
     return Plan(
         files=tuple(files),
         source=source,
@@ -690,8 +961,8 @@ def _plan_records(files: list[Path], fmt: str, options: ReadOptions, notes: list
                     empties.append(path)
                 rows.append(int(probe.rows * size / first_size))
                 continue
-            if fmt == "slime":
-                pr = adapters.probe_slime(path)
+            if fmt in adapters.FILE_FORMATS:
+                pr = adapters.probe_file(fmt, path, options.drop_invalid)
             elif fmt == "jsonl":
                 pr = adapters.probe_jsonl(path, options.drop_invalid, roles)
             else:
@@ -707,7 +978,7 @@ def _plan_records(files: list[Path], fmt: str, options: ReadOptions, notes: list
             shown = {k: (v, "a list" if v else "a scalar") for k, v in pr.columns.items()}
             yield path, list(pr.columns), shown
 
-    agreed = _agree(entries(), options)
+    agreed = _agree(entries(), options, notes)
     if agreed is None or probe is None:
         more = f" and {len(files) - 1} other file(s)" if len(files) > 1 else ""
         raise DataError(
@@ -773,10 +1044,76 @@ def _canonicalise(df: pl.DataFrame, plan: Plan, file_index: int, row_offset: int
         step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
         exprs.append(pl.lit(step or 0, dtype=pl.Int64).alias("step"))
     else:
+        _whole_numbers(df, "step", plan, file_index)
         exprs.append(pl.col("step").cast(pl.Int64))
+    if "position" in df.columns:
+        _whole_numbers(df, "position", plan, file_index)
     if "loss_mask" in df.columns:
         exprs.append(pl.col("loss_mask").cast(pl.Boolean))
-    return df.with_columns(exprs)
+    try:
+        return df.with_columns(exprs)
+    except pl.exceptions.PolarsError:  # a value that is not a number (JSON lines: any type)
+        raise _cast_error(df, plan, file_index) from None
+
+
+_TARGET = {c: pl.Float64 for c in (*LOGPROB_COLUMNS, "advantage", "entropy")} | {
+    "step": pl.Int64,
+    "loss_mask": pl.Boolean,
+}
+
+
+def _file_name(plan: Plan, file_index: int) -> str:
+    return str(plan.files[file_index]) if file_index < len(plan.files) else "SOURCES"
+
+
+def _column_name(plan: Plan, canon: str) -> str:
+    src = plan.source.get(canon, canon)
+    return f"'{canon}'" + (f" (source column '{src}')" if src != canon else "")
+
+
+def _whole_numbers(df: pl.DataFrame, c: str, plan: Plan, file_index: int) -> None:
+    """A float step (or position) column must hold whole numbers: a cast would truncate 0.25,
+    0.5 and 0.75 into step 0 without a word."""
+    x = df[c]
+    if not x.dtype.is_float():
+        return
+    bad = x.is_not_null() & (~x.is_finite() | (x != x.floor()))
+    n = int(bad.sum())
+    if not n:
+        return
+    example = x.filter(bad)[0]
+    raise DataError(
+        f"{_file_name(plan, file_index)}: column {_column_name(plan, c)}: {n:,} of "
+        f"{df.height:,} rows are not whole numbers (e.g. {example!r}); a {c} is an integer, "
+        f"and rounding would merge different {c}s. Write integer {c}s in the export (e.g. "
+        f"the {c}'s index), or --map {c}=COLUMN to read another column."
+    )
+
+
+def _cast_error(df: pl.DataFrame, plan: Plan, file_index: int) -> DataError:
+    """The column whose values cannot be cast, how many rows and an example."""
+    for c, t in _TARGET.items():
+        if c not in df.columns:
+            continue
+        x = df[c]
+        try:
+            got = x.cast(t, strict=False)
+        except pl.exceptions.PolarsError:  # not castable at all (a nested value)
+            got = pl.Series([None] * x.len(), dtype=t)
+        bad = got.is_null() & x.is_not_null()
+        n = int(bad.sum())
+        if n:
+            example = x.filter(bad)[0]
+            several = COLUMN_KINDS[c][1]
+            return DataError(
+                f"{_file_name(plan, file_index)}: column {_column_name(plan, c)}: {n:,} of "
+                f"{df.height:,} rows cannot be read as {several} (e.g. {example!r}). Write "
+                f"{several} in the export, or --map {c}=COLUMN to read another column."
+            )
+    return DataError(  # pragma: no cover -- a cast failed, but no column says why
+        f"{_file_name(plan, file_index)}: a column cannot be converted to its canonical type "
+        f"({', '.join(f'{c}: {df[c].dtype}' for c in df.columns)}). Check the export's types."
+    )
 
 
 class _UnequalLists(Exception):
@@ -784,28 +1121,44 @@ class _UnequalLists(Exception):
         self.rows = rows
 
 
+_KEY_COLUMNS = ("step", "sample_id", "position")
+
+
 # Invalid-row predicates on the canonical frame, per column: (label, expression, fix)
 def _problems(df: pl.DataFrame, plan: Plan) -> list[tuple[str, str, pl.Expr]]:
+    # The problems of one column exclude each other (a null is only "null", never also NaN,
+    # infinite and above 0), so a row counts once per column. Every predicate is false, not
+    # null, on a null value: fill_null(True) around them changes nothing.
     out = []
     for c in LOGPROB_COLUMNS:
         if c not in df.columns:
             continue
         x = pl.col(c)
+        v = x.is_not_null()
         if c in plan.probs:
             # before the log: the source held probabilities, now log(p); p<0 -> NaN, p>1 -> >0
             out.append((c, "null", x.is_null()))
-            out.append((c, "NaN or a probability below 0", x.is_nan()))
-            out.append((c, "a probability of 0 (log-prob -inf)", x.is_infinite() & (x < 0)))
-            out.append((c, "a probability above 1", x.is_finite() & (x > POSITIVE_TOLERANCE)))
+            out.append((c, "NaN or a probability below 0", v & x.is_nan()))
+            out.append((c, "a probability of 0 (log-prob -inf)", v & x.is_infinite() & (x < 0)))
+            above = v & x.is_finite() & (x > POSITIVE_TOLERANCE)
+            out.append((c, "a probability above 1", above))
         else:
             out.append((c, "null", x.is_null()))
-            out.append((c, "NaN", x.is_nan()))
-            out.append((c, "+inf or -inf", x.is_infinite()))
-            above = x.is_finite() & (x > POSITIVE_TOLERANCE)  # polars orders NaN above all
+            out.append((c, "NaN", v & x.is_nan()))
+            out.append((c, "+inf or -inf", v & x.is_infinite()))
+            above = v & x.is_finite() & (x > POSITIVE_TOLERANCE)  # polars orders NaN above all
             out.append((c, f"above 0 by more than {POSITIVE_TOLERANCE:g}", above))
     if "advantage" in df.columns:
         a = pl.col("advantage")
-        out.append(("advantage", "null, NaN or infinite", a.is_null() | ~a.is_finite()))
+        bad = a.is_null() | (a.is_not_null() & ~a.is_finite())
+        out.append(("advantage", "null, NaN or infinite", bad))
+    for c in _KEY_COLUMNS:  # a token without a step or sequence cannot be placed
+        if c in df.columns:
+            out.append((c, "null", pl.col(c).is_null()))
+    if "loss_mask" in df.columns:  # neither in nor out of the loss: never taken as false
+        out.append(
+            ("loss_mask", "null (neither in nor out of the loss)", pl.col("loss_mask").is_null())
+        )
     return out
 
 
@@ -824,6 +1177,9 @@ def _quick_check(df: pl.DataFrame) -> tuple[bool, bool]:
     j = kernels.jit()
     clean = True
     positive = False
+    for c in ("loss_mask", *_KEY_COLUMNS):
+        if c in df.columns and df[c].null_count():
+            return False, True
     for c in (*LOGPROB_COLUMNS, "advantage"):
         if c not in df.columns:
             continue
@@ -851,8 +1207,10 @@ def _invalid_mask(df: pl.DataFrame, plan: Plan) -> pl.Series:
 
 
 def _loss_filter(df: pl.DataFrame) -> pl.DataFrame:
+    """Drop loss_mask == false rows; a null mask is kept for validation (_problems) to count."""
     if "loss_mask" in df.columns:
-        return df.filter(pl.col("loss_mask").fill_null(False))
+        m = df["loss_mask"]
+        return df.filter(m.fill_null(True)) if m.null_count() else df.filter(m)
     return df
 
 
@@ -926,8 +1284,11 @@ def _record_batches(
 ) -> Iterator[pl.DataFrame]:
     opts = plan.options
     wanted = set(source_cols)
-    if plan.format == "slime":
-        yield from adapters.read_slime(path, wanted, opts.drop_invalid, report, opts.batch_rows)
+    step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
+    if plan.format in adapters.FILE_FORMATS:
+        yield from adapters.read_file(
+            plan.format, path, step, wanted, opts.drop_invalid, report, opts.batch_rows
+        )
         return
     if plan.format == "jsonl":
         schema = {k: t for k, t in plan.read_schema.items() if k in wanted}
@@ -939,7 +1300,6 @@ def _record_batches(
         for k, t in plan.read_schema.items()
         if k not in arrays or arrays[k] in wanted or arrays[k] in REQUIRED
     }
-    step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
     yield from adapters.read_framework(
         plan.format, path, step, schema, wanted, opts.drop_invalid, report, opts.block_bytes
     )
@@ -958,9 +1318,10 @@ def _describe_problems(path: Path, plan: Plan, source_cols: list[str]) -> str:
     loss_rows = 0
     unequal = 0
     offset = 0
-    for raw in _file_batches(path, plan, source_cols):
+    i = plan.files.index(path) if path in plan.files else 0
+    for raw in _file_batches(path, plan, source_cols, i):
         try:
-            df = _loss_filter(_canonicalise(raw, plan, 0, offset))
+            df = _loss_filter(_canonicalise(raw, plan, i, offset))
         except _UnequalLists as e:
             unequal += e.rows
             offset += raw.height
@@ -1012,6 +1373,7 @@ def iter_batches(
     for i, path in enumerate(plan.files):
         row_offset = offset
         offset += plan.rows[i]
+        hive = _HiveCheck(plan, i)
         for raw in _file_batches(path, plan, source_cols, i, report):
             report.rows += raw.height
             try:
@@ -1025,6 +1387,7 @@ def iter_batches(
                 )
                 df = _canonicalise(raw, plan, i, row_offset)
             row_offset += raw.height
+            hive.add(df)
             df = _loss_filter(df)
             clean, positive = _quick_check(df)
             bad = None if clean else _invalid_mask(df, plan)
@@ -1047,8 +1410,47 @@ def iter_batches(
                 keep = [c for c in df.columns if c in set(columns) | {*REQUIRED, "step"}]
                 df = df.select(keep)
             yield i, df
+        hive.warn(report)
         if plan.format != "parquet":
             offset = row_offset  # row counts were estimates: number by what was read
+
+
+class _HiveCheck:
+    """A Parquet file under a hive directory `step=N/` that has a step column of its own:
+    the column is used; the rows where it disagrees with N are counted and warned about
+    once the file is read (a file moved between step directories, a writer's off-by-one)."""
+
+    def __init__(self, plan: Plan, i: int):
+        self.path = plan.files[i]
+        self.step = plan.file_steps[i] if i < len(plan.file_steps) else None
+        self.src = plan.source.get("step")
+        self.active = plan.format == "parquet" and self.step is not None and self.src is not None
+        self.rows = self.bad = 0
+        self.example: int | None = None
+
+    def add(self, df: pl.DataFrame) -> None:
+        if not self.active or "step" not in df.columns:
+            return
+        off = df["step"] != self.step
+        n = int(off.sum())
+        self.rows += df.height
+        if n:
+            self.bad += n
+            if self.example is None:
+                self.example = int(df["step"].filter(off)[0])
+
+    def warn(self, report: ReadReport) -> None:
+        if not self.bad:
+            return
+        note = (
+            f"{self.path}: the directory step={self.step} disagrees with the file's step "
+            f"column '{self.src}' on {self.bad:,} of {self.rows:,} rows (e.g. step "
+            f"{self.example}); used the column. Check which is right (a file moved between "
+            "step directories?)."
+        )
+        if note not in report.warnings:
+            report.warnings.append(note)
+            _warnings.warn(note, IngestWarning, stacklevel=3)
 
 
 def _drop_unequal(raw: pl.DataFrame, plan: Plan) -> pl.DataFrame:
@@ -1056,6 +1458,69 @@ def _drop_unequal(raw: pl.DataFrame, plan: Plan) -> pl.DataFrame:
     ref = plan.source["trainer_logprob"]
     ok = pl.all_horizontal([pl.col(c).list.len() == pl.col(ref).list.len() for c in lists])
     return raw.filter(ok.fill_null(False))
+
+
+class DuplicateCheck:
+    """Rows that repeat a (step, sample_id, position) already seen, counted in memory bounded
+    by the sequences, not the tokens: per sequence (step, sample_id), its token count n and
+    its lowest and highest position; a sequence with n > highest - lowest + 1 holds at
+    least that many repeated rows (exact when positions run without gaps, as trainers write
+    them; a lower bound otherwise). Needs sample_id and position (a per-sequence layout
+    numbers its positions, so a repeated sequence row is found too). ~40 bytes a sequence.
+    Used by inspect and convert (a sweep does not pay for it)."""
+
+    KEYS = ("step", "sample_id", "position")
+
+    def __init__(self) -> None:
+        self.table: pl.DataFrame | None = None
+        self.parts: list[pl.DataFrame] = []
+        self.pending = 0
+
+    @classmethod
+    def possible(cls, columns: Sequence[str]) -> bool:
+        return all(k in columns for k in ("sample_id", "position"))
+
+    def add(self, df: pl.DataFrame) -> None:
+        if df.height == 0 or not all(k in df.columns for k in self.KEYS):
+            return
+        part = df.group_by("step", "sample_id").agg(
+            n=pl.len(), lo=pl.col("position").min(), hi=pl.col("position").max()
+        )
+        self.parts.append(part)
+        self.pending += part.height
+        if self.pending > (1 << 18) or len(self.parts) > 64:
+            self._merge()
+
+    def _merge(self) -> None:
+        if not self.parts:
+            return
+        frames = ([self.table] if self.table is not None else []) + self.parts
+        both = pl.concat(frames, how="vertical_relaxed")
+        self.table = both.group_by("step", "sample_id").agg(
+            n=pl.col("n").sum(), lo=pl.col("lo").min(), hi=pl.col("hi").max()
+        )
+        self.parts, self.pending = [], 0
+
+    def counts(self) -> tuple[int, int]:
+        """(repeated rows at least, sequences holding them)."""
+        self._merge()
+        if self.table is None:
+            return 0, 0
+        extra = (pl.col("n") - (pl.col("hi") - pl.col("lo") + 1)).clip(lower_bound=0)
+        got = self.table.select(rows=extra.sum(), seqs=(extra > 0).sum())
+        return int(got["rows"][0] or 0), int(got["seqs"][0] or 0)
+
+    def warning(self, files: Sequence[Path | str]) -> str | None:
+        rows, seqs = self.counts()
+        if not rows:
+            return None
+        where = f"{files[0]}" + (f" and {len(files) - 1} other file(s)" if len(files) > 1 else "")
+        return (
+            f"{where}: at least {rows:,} rows repeat a (step, sample_id, position) already "
+            f"seen, in {seqs:,} sequence(s), so their tokens count twice in every figure. Remove "
+            "the duplicates in the export (a file or rank read twice?), or --map sample_id to "
+            "the column that tells the sequences apart."
+        )
 
 
 def read_table(

@@ -94,3 +94,70 @@ def test_masked_limits_are_checked_before_the_replay():
         chk.masked_limit("no-such-rule", 0.1)
     with pytest.raises(UsageError, match="at least one limit"):
         chk.check(["x.parquet"], [])
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from mismatch_replay.cli import app
+
+    return CliRunner().invoke(app, ["check", str(GOLDEN_LOG), *args])
+
+
+def test_cli_exit_codes_and_json(tokens):
+    import json
+
+    k3 = tokens["k3"].mean()
+    ok = _cli("--max", f"kl_k3={k3 * 1.01}", "-r", "ipo:eps=0.3", "--max-masked", "0.01")
+    assert ok.exit_code == 0, ok.output
+    assert "kl_k3" in ok.stdout and "ok" in ok.stdout and "EXCEEDED" not in ok.stdout
+    bad = _cli("--max", f"mismatch_kl={k3 * 0.99}", "--per-step", "--json")
+    assert bad.exit_code == 3, bad.output
+    d = json.loads(bad.stdout)
+    assert d["passed"] is False and d["per_step"] is True
+    assert [v["limit"] for v in d["violations"]] == ["mismatch_kl"]
+    assert d["violations"][0]["value"] == pytest.approx(k3, rel=1e-9)
+    assert d["violations"][0]["worst_step"] in set(tokens["step"].tolist())
+    assert "1 of 1 limit(s) exceeded" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ((), "at least one limit"),
+        (("-r", "ipo"), "--max-masked"),
+        (("--max-masked", "0.1"), "add -r SPEC"),
+        (
+            (
+                "-r",
+                "ipo",
+                "-r",
+                "kpop",
+                "--max-masked",
+                "0.1",
+                "--max-masked",
+                "0.2",
+                "--max-masked",
+                "0.3",
+            ),
+            "one for each",
+        ),
+        (("--max", "kl=1"), "unknown metric"),
+    ],
+)
+def test_cli_usage_errors_exit_2(args, needle):
+    res = _cli(*args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.stderr and "Traceback" not in res.output
+
+
+def test_cli_bad_data_exits_1(tmp_path):
+    from typer.testing import CliRunner
+
+    from mismatch_replay.cli import app
+
+    bad = tmp_path / "bad.parquet"
+    pl.DataFrame({"x": [1.0]}).write_parquet(bad)
+    res = CliRunner().invoke(app, ["check", str(bad), "--max", "kl_k3=0.1"])
+    assert res.exit_code == 1, res.output
+    assert "trainer_logprob" in res.stderr
