@@ -223,6 +223,18 @@ def test_sweep_by_q_bucket(cols, tmp_path):
 
 
 @pytest.mark.parametrize("cols", WIDTHS)
+def test_check(cols, tmp_path):
+    args = ["check", GOLDEN, "--max", "kl_k3=0.01", "--max", "mismatch_kl/all/max=1"]
+    args += ["-r", "ipo:eps=0.3", "--max-masked", "0.01", "--per-step"]
+    rc, raw = run_pty(args, cols, tmp_path)
+    assert rc == 3, plain(raw)  # a limit exceeded: the CI gate's exit code
+    out = check(0, raw, cols, "check", GOLDEN_ROWS)
+    assert "mismatch_kl/all/max" in out and "EXCEEDED" in out
+    assert {"ipo:eps=0.3", "EXCEEDED", "0.002291", "6.638"} <= words(out)  # whole, at 80 too
+    assert "check failed: 1 of 3 limit(s) exceeded" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("cols", WIDTHS)
 def test_choose(cols, tmp_path):
     args = ["choose", GOLDEN, "-t", "0.0025", "--bootstrap", "20"]
     out = check(*run_pty(args, cols, tmp_path), cols, "choose", GOLDEN_ROWS)
