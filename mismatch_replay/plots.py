@@ -864,7 +864,7 @@ def _style_for(specs: Sequence[str]) -> dict[str, tuple[str, str, int]]:
     seen: dict[str, int] = {}
     out = {}
     for spec in specs:
-        rule = spec.split(":")[0]
+        rule = spec.split(":")[0].split("@")[0]  # a preset keeps its rule's colour
         k = seen[rule] = seen.get(rule, -1) + 1
         out[spec] = (rule_color(rule), _STYLES[k % 4], k)
     return out
