@@ -366,7 +366,9 @@ def test_steps(data):
         np.testing.assert_array_equal(ln.get_xdata(), rows["step"].to_numpy())
         want = np.maximum(rows["masked_fraction"].to_numpy(), 0.5 / rows["tokens"].to_numpy())
         np.testing.assert_allclose(ln.get_ydata(), want)
-        assert ln.get_color() == plots.rule_color(spec.split(":")[0])
+        assert ln.get_color() == plots.rule_color(
+            spec.split(":")[0].split("@")[0]
+        )  # a preset: its rule's
     texts = legend_texts(bottom.get_legend())
     assert "IPO eps=0.3 (prime-rl)" in texts
     assert "IcePop low=0.2, high=5 (prime-rl)" in texts
