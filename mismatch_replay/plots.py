@@ -178,7 +178,10 @@ def preset_names(rule: Rule) -> list[str]:
 def spec_label(spec: str, with_preset: bool = True) -> str:
     """`icepop:low=0.2,high=5` -> `IcePop low=0.2, high=5 (prime-rl)`."""
     name, _, vals = spec.partition(":")
+    name, _, preset = name.partition("@")  # a preset with its own arithmetic is named
     text = f"{display_name(name)} {vals.replace(',', ', ')}".strip()
+    if preset:
+        return f"{text} ({preset})" if with_preset else text
     if with_preset and name in REGISTRY:
         try:
             names = preset_names(parse_rule(spec))
