@@ -349,7 +349,8 @@ def coord_pass(
                 l = b_l[t]  # noqa: E741
                 p = b_p[t]
                 q = b_q[t]
-                k3c = b_k3c[t]
+                # k3 unclamped, as prime-rl's mismatch_kl and verl's k3_kl compute it
+                k3c = b_k3c[t] if abs(l) <= clampv else vexpm1(l) - l
                 adp = b_adp[t]
                 rc = b_rc[t]
                 s1 += -l

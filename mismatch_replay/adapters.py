@@ -1953,6 +1953,8 @@ def _check_frames(plan, wanted: set[str]) -> Iterator[pl.DataFrame]:
     for i, path in enumerate(plan.files):
         step = plan.file_steps[i] if i < len(plan.file_steps) else None
         if plan.format == "prime-rl":
+            if not _logs_decisions(path):  # an export without is_masked: nothing to check
+                continue
             schema = dict(plan.read_schema) | {k: pl.List(t) for k, t in PRIME_CHECKS.items()}
             frames = read_framework(
                 "prime-rl", path, step, schema, None, opts.drop_invalid, None, opts.block_bytes
@@ -1965,6 +1967,19 @@ def _check_frames(plan, wanted: set[str]) -> Iterator[pl.DataFrame]:
             df = df.filter(pl.col("loss_mask"), pl.col("logged_is_masked").is_not_null())
             if df.height:
                 yield df.select([c for c in df.columns if c in wanted])
+
+
+def _logs_decisions(path) -> bool:
+    """Whether a token-export file's records carry `is_masked` (the exporter writes the same
+    keys in every record: the first one tells)."""
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    return b'"is_masked"' in line
+    except OSError:  # not a local file (an object-store URI): let the reader look
+        return True
+    return False
 
 
 def _replay_mask(spec: str, lp: np.ndarray, lq: np.ndarray, adv: np.ndarray | None) -> np.ndarray:

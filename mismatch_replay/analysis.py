@@ -83,18 +83,22 @@ def figure_data(
     sweeps: dict[str, str] | None = None,
     options: io.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
 ) -> FigureData:
-    """Three passes over the log: full sweep + scatter, settings by step, settings by bucket."""
+    """Three passes over the log: full sweep + scatter, settings by step, settings by bucket.
+    `precision="float32"`: every rule decision in the frameworks' float32 arithmetic
+    (engine.replay; the full sweep then runs on the simple path)."""
     plan = io.plan_sources(sources, options)
     chosen = (
         [parse_rule(s) if isinstance(s, str) else s for s in settings]
         if settings
         else default_settings(plan.columns)
     )
-    full = engine.replay(plan, rules=None, sweeps=sweeps, progress=progress, final=True)
-    res = full.result()
-    by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
-    by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
+    with engine.use_precision(precision):
+        full = engine.replay(plan, rules=None, sweeps=sweeps, progress=progress, final=True)
+        res = full.result()
+        by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
+        by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
     return FigureData(
         hist_lin=full.hist_lin,
         hist_log=full.hist_log,
@@ -201,10 +205,12 @@ def choose(
     max_passes: int = 8,
     options: io.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
 ) -> list[dict]:
     """For each rule (and each of its threshold parameters), the value whose masked fraction
     is closest to `target_fraction`, with a bootstrap interval. Without a target: the masked
-    fraction at each given setting, with its interval.
+    fraction at each given setting, with its interval. `precision="float32"`: the rules
+    decide in the frameworks' float32 arithmetic (engine.replay).
     """
     plan = io.plan_sources(sources, options)
     if target_fraction is not None and not 0.0 < target_fraction < 1.0:
@@ -215,6 +221,10 @@ def choose(
         chosen = _default_choice_rules(plan.columns)
     else:
         raise UsageError("give --target-fraction F, or --rule SPEC to get a setting's fraction.")
+    precision = precision if precision is not None else engine.current_precision()
+    if precision is not None:
+        p = engine.check_precision(precision)
+        chosen = [r.replace(precision=p) for r in chosen]
     unit = unit or ("sequence" if "sample_id" in plan.columns else "step")
     if unit not in ("sequence", "step"):
         raise UsageError(f"--bootstrap-unit {unit}: use 'sequence' or 'step'.")
@@ -411,11 +421,17 @@ def compare(
     examples: int = 0,
     options: io.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
 ) -> dict:
-    """The 2 x 2 table of two rules on the same tokens (see the module docstring)."""
+    """The 2 x 2 table of two rules on the same tokens (see the module docstring).
+    `precision="float32"`: both rules decide in the frameworks' float32 arithmetic."""
     plan = io.plan_sources(sources, options)
     a = parse_rule(rule_a) if isinstance(rule_a, str) else rule_a
     b = parse_rule(rule_b) if isinstance(rule_b, str) else rule_b
+    precision = precision if precision is not None else engine.current_precision()
+    if precision is not None:
+        p = engine.check_precision(precision)
+        a, b = a.replace(precision=p), b.replace(precision=p)
     settings = {}
     for r in (a, b):
         if r.level == "step":
@@ -787,3 +803,68 @@ def decisions(
         out["drift"] = None
         out["drift_note"] = str(exc)
     return out
+
+
+# ----------------------------------------------------------------------------- precision
+
+# The settings `precision_check` replays by default: the report's, and the presets whose
+# framework code turns a float32 NaN or rounding into a decision (AReaL's binary KL).
+PRECISION_SETTINGS = (*DEFAULT_SETTINGS, "kpop@areal", "icepop@areal", "dppo-kl@verl")
+PRECISION_THRESHOLD = 1e-3  # masked-fraction difference (absolute) worth a line
+
+
+def precision_check(
+    sources: Sequence[str | Path],
+    rules: Sequence[str | Rule] | None = None,
+    threshold: float = PRECISION_THRESHOLD,
+    options: io.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Each rule's masked (or truncated) tokens in float64 and in the float32 arithmetic the
+    frameworks run on the GPU (engine.replay(precision=...)), and a line for every rule
+    whose two fractions differ by more than `threshold` (absolute): a disagreement no
+    dashboard shows (AReaL's binary KL turns p = 1 into NaN in float32 and masks it).
+
+    Returns {"threshold", "rows": [{spec, tokens, masked_float64, masked_float32,
+    fraction_float64, fraction_float32, difference, flagged}], "lines": [...]}.
+    """
+    plan = io.plan_sources(sources, options)
+    if rules:
+        chosen = [parse_rule(r) if isinstance(r, str) else r for r in rules]
+    else:
+        chosen = [parse_rule(s) for s in PRECISION_SETTINGS]
+        chosen = [r for r in chosen if all(c in plan.columns for c in r.needs)]
+    jobs = [engine._single(r) for r in chosen]
+    counts = {}
+    for precision in ("float64", "float32"):
+        tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, precision=precision)
+        counts[precision] = [tables.job_counts(tally, ji) for ji in range(len(jobs))]
+    rows, lines = [], []
+    for ji, rule in enumerate(chosen):
+        _, h64, tokens = counts["float64"][ji]
+        _, h32, _ = counts["float32"][ji]
+        n64, n32 = int(h64[0]), int(h32[0])
+        f64, f32 = n64 / tokens, n32 / tokens
+        diff = f32 - f64
+        flagged = abs(diff) > threshold
+        what = "truncates" if rule.kind == "weight" else "masks"
+        rows.append(
+            {
+                "spec": rule.spec(),
+                "tokens": int(tokens),
+                "masked_float64": n64,
+                "masked_float32": n32,
+                "fraction_float64": f64,
+                "fraction_float32": f32,
+                "difference": diff,
+                "flagged": flagged,
+            }
+        )
+        if flagged:
+            lines.append(
+                f"{rule.spec()} {what} {f32:.3%} of the tokens in float32 ({n32:,}) against "
+                f"{f64:.3%} in float64 ({n64:,}): in the float32 arithmetic the framework "
+                "runs on the GPU it decides differently (a NaN, a rounding at a threshold), "
+                "and no dashboard shows it."
+            )
+    return {"threshold": threshold, "rows": rows, "lines": lines}

@@ -93,8 +93,9 @@ Sources = Annotated[
     list[str],
     typer.Argument(
         metavar="SOURCES",
-        help="Token logs: Parquet or JSONL files, prime-rl token_exports trees, NeMo-RL "
-        "train_data_step<N>.jsonl, slime .pt dumps; directories (searched recursively) or globs.",
+        help="Token logs: Parquet or JSONL files, captured step=N/ trees, prime-rl "
+        "token_exports or traces, NeMo-RL train_data_step<N>.jsonl, slime .pt dumps, SkyRL "
+        ".pkl dumps; directories (searched recursively) or globs.",
     ),
 ]
 MapOpt = Annotated[
@@ -130,6 +131,15 @@ FormatOpt = Annotated[
         metavar="FORMAT",
         help="The log's format: auto (default: detected from the paths), parquet, jsonl, "
         "prime-rl (token export), prime-rl-traces, nemo-rl, slime or skyrl.",
+    ),
+]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        metavar="float64|float32",
+        help="Replay the rule decisions in float64 (default) or in the float32 arithmetic the "
+        "frameworks run on the GPU (its NaNs and roundings included; metrics stay float64).",
     ),
 ]
 UnstableOpt = Annotated[
@@ -494,8 +504,8 @@ def check(
             "--max",
             metavar="METRIC=V",
             help="A metric limit (repeatable): the metric must be at most V, e.g. "
-            "--max kl_k3=0.01; the tool's names (inspect lists them) or a dashboard's "
-            "(mismatch_kl/all/mean, rollout_corr/k3_kl, training/rollout_probs_diff_max, ...).",
+            "--max kl_k3=0.01; the tool's names (inspect lists them) or a dashboard's, e.g. "
+            "mismatch_kl/all/mean or rollout_corr/k3_kl (README: A CI gate on mismatch).",
         ),
     ] = None,
     rule: Annotated[
@@ -676,6 +686,7 @@ def sweep(
     json_: JsonOpt = False,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    precision: PrecisionOpt = "float64",
     engine: Annotated[
         str,
         typer.Option(
@@ -722,6 +733,7 @@ def sweep(
                 match=match,
                 engine=engine,
                 ray_address=ray_address,
+                precision=precision,
             )
         _report_drops(res.tally.report)
         for note in res.notes:
@@ -900,6 +912,7 @@ def choose(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    precision: PrecisionOpt = "float64",
     json_: JsonOpt = False,
 ) -> None:
     """The threshold that masks a target fraction of tokens, per rule.
@@ -924,6 +937,7 @@ def choose(
                 seed=seed,
                 options=opts,
                 progress=cb,
+                precision=precision,
             )
         if json_:
             from .output import to_json
@@ -988,6 +1002,7 @@ def compare(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    precision: PrecisionOpt = "float64",
     json_: JsonOpt = False,
 ) -> None:
     """Two rules on the same tokens: which tokens each masks that the other keeps.
@@ -1004,7 +1019,9 @@ def compare(
             raise UsageError(f"compare needs exactly two --rule options, got {len(rule)}.")
         opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         with _progress("compare") as cb:
-            res = run_compare(sources, rule[0], rule[1], budget, examples, opts, cb)
+            res = run_compare(
+                sources, rule[0], rule[1], budget, examples, opts, cb, precision=precision
+            )
         if json_:
             from .output import to_json
 
@@ -1296,6 +1313,16 @@ def report(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    precision: PrecisionOpt = "float64",
+    precision_threshold: Annotated[
+        float,
+        typer.Option(
+            "--precision-threshold",
+            metavar="F",
+            help="With --precision float32: a line in the report for every setting whose "
+            "float32 and float64 masked fractions differ by more than F.",
+        ),
+    ] = 0.001,
 ) -> None:
     """Everything on one self-contained HTML page (index.html, figures embedded).
 
@@ -1310,7 +1337,17 @@ def report(
         command = _command(ctx)
         with _progress("report") as cb:
             path = run_report(
-                sources, output, command, rule or None, target_fraction, bootstrap, force, opts, cb
+                sources,
+                output,
+                command,
+                rule or None,
+                target_fraction,
+                bootstrap,
+                force,
+                opts,
+                cb,
+                precision=precision,
+                precision_threshold=precision_threshold,
             )
         out.print(f"report: {path}", highlight=False, markup=False)
 

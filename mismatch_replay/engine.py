@@ -49,7 +49,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,12 +61,14 @@ from .errors import DataError, UsageError
 from .metrics import MetricSums
 from .rules import (
     LOG_CLAMP,
+    PRECISIONS,
     REGISTRY,
     Rule,
     SeqStats,
     TokenBatch,
     parse_grid,
     parse_rule,
+    round_to,
     spec_warnings,
 )
 
@@ -107,7 +109,10 @@ class Job:
 
     @property
     def thresholds(self) -> np.ndarray:
-        return np.array([self.rule.threshold(self.param, v) for v in self.values], dtype=float)
+        """The values mapped into score space; a float32 replay rounds them to float32, as
+        a framework's comparison of a float32 tensor with a Python float does."""
+        t = np.array([self.rule.threshold(self.param, v) for v in self.values], dtype=float)
+        return round_to(t, self.rule.precision)
 
     @property
     def order(self) -> np.ndarray:
@@ -116,7 +121,8 @@ class Job:
 
     @property
     def label(self) -> str:
-        return f"{self.rule.name}[{self.rule.setting(self.param)}]:{self.param}"
+        name = f"{self.rule.name}@{self.rule.preset}" if self.rule.preset else self.rule.name
+        return f"{name}[{self.rule.setting(self.param)}]:{self.param}"
 
 
 def _sweep_targets(sweeps: dict[str, np.ndarray], rule: Rule) -> dict[str, np.ndarray]:
@@ -252,6 +258,8 @@ _SEQ_FIELDS = {  # name -> (fill, how partials combine)
     "min_l": (math.inf, "min"),
     "sum_exp_abs_l": (0.0, "sum"),
     "sum_adv": (0.0, "sum"),
+    "sum_lc": (0.0, "sum"),  # verl's k1 sums: clip(l, -20, 20)
+    "sum_k3c": (0.0, "sum"),  # verl's k3 sums: l clamped to +-20
     "mass": (0.0, "sum"),
     "group": (-1.0, "first"),
 }
@@ -361,6 +369,142 @@ def _accumulate(
 
 M2PO_MEMORY_ENV = "MISMATCH_REPLAY_M2PO_MEMORY"  # MiB kept in memory before spilling to disk
 M2PO_MEMORY_MIB = 768
+M2PO_SPILL_PREFIX = "mismatch-replay-m2po-"
+# bytes a token of a chunk costs the streamed resolve of a large step (its fields, bins, the
+# searches' temporaries): a chunk is a quarter of the budget
+_STREAM_BYTES_PER_TOKEN = 320
+_M2PO_FIELDS = (("x", np.float64), ("mass", np.float64), ("g", np.int32), ("seq", np.int64))
+
+
+def _spill_error(exc: BaseException, where: str, tokens: int, limit: int) -> Exception:
+    """A full (or unwritable) TMPDIR while m2po spills: one sentence and the fixes."""
+    from .output import output_error
+
+    base = output_error(exc, os.path.join(where, "x"), "m2po's spill")
+    return type(base)(
+        f"m2po's store could not write to {where} ({exc.strerror or exc}): beyond "
+        f"{limit / 2**20:.0f} MiB in memory it spills ~24 bytes a token to TMPDIR ({tokens:,} "
+        f"tokens so far). Point TMPDIR at a disk with room, raise {M2PO_MEMORY_ENV} (MiB kept "
+        "in memory), or leave m2po out of the rules."
+        if isinstance(exc, OSError)
+        else str(base)
+    )
+
+
+def reclaim_spills(base: str | None = None) -> list[str]:
+    """Remove the spill directories that killed runs of this host left in TMPDIR (named
+    mismatch-replay-m2po-HOST-PID-...: the process is gone); returns them. Called whenever a
+    store starts spilling, so a SIGKILLed sweep's spill is reclaimed by the next one."""
+    import re
+    import shutil
+
+    from .output import HOST_TAG, pid_alive
+
+    base = base or tempfile.gettempdir()
+    pat = re.compile(re.escape(M2PO_SPILL_PREFIX) + r"([0-9a-f]{6})-(\d+)-")
+    gone = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return gone
+    for name in names:
+        m = pat.match(name)
+        mine = m is not None and m.group(1) == HOST_TAG and int(m.group(2)) != os.getpid()
+        if mine and not pid_alive(int(m.group(2))):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            gone.append(os.path.join(base, name))
+    return gone
+
+
+class _SpillDir:
+    """A spill directory in TMPDIR, named after this host and process (reclaim_spills), and
+    removed when the store is collected, at exit, on SIGTERM (output.terminate_as_interrupt)
+    and before an os._exit (output.SCRATCH_DIRS)."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        from .output import HOST_TAG, SCRATCH_DIRS
+
+        reclaim_spills()
+        self.name = tempfile.mkdtemp(prefix=f"{M2PO_SPILL_PREFIX}{HOST_TAG}-{os.getpid()}-")
+        SCRATCH_DIRS.add(self.name)
+        self._finalizer = weakref.finalize(self, _SpillDir._remove, self.name)
+
+    @staticmethod
+    def _remove(name: str) -> None:
+        import shutil
+
+        from .output import SCRATCH_DIRS
+
+        shutil.rmtree(name, ignore_errors=True)
+        SCRATCH_DIRS.discard(name)
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+
+class _BigStep:
+    """A step too large to resolve in memory (more than `M2POStore.chunk` tokens): its tokens
+    stay where the store keeps them (a prefix in the step's spill files, then in-memory
+    parts) and `_resolve_big` reads them in chunks. Iterating it gives the whole arrays, as
+    M2POStore.step gives for a small step (for m2po_scores and pickling: not bounded)."""
+
+    def __init__(self, store: M2POStore, s: int, own: bool):
+        self.step = s
+        self.dir = store._spill_dir()  # its sorted runs go there (removed with the store)
+        self.n_disk = store._on_disk.get(s, 0)
+        self.paths = {name: store._path(s, name) for name, _ in _M2PO_FIELDS}
+        self.parts = list(store.parts.get(s, []))
+        self.n = self.n_disk + sum(len(p[0]) for p in self.parts)
+        self.absent = set(store._absent)
+        self.chunk = store.chunk
+        self.limit = store.limit
+        self.own = own  # popped: the files are this object's to remove
+
+    def chunks(self, fields: Sequence[str], size: int | None = None) -> Iterator[list]:
+        """The step's tokens in input order, at most `size` at a time: one array per field
+        (an absent field: zeros)."""
+        size = size or self.chunk
+        idx = [k for k, (name, _) in enumerate(_M2PO_FIELDS) if name in fields]
+        for a in range(0, self.n_disk, size):
+            m = min(size, self.n_disk - a)
+            out = []
+            for k in idx:
+                name, dt = _M2PO_FIELDS[k]
+                if name in self.absent:
+                    out.append(np.zeros(m, np.int64))
+                else:
+                    off = a * np.dtype(dt).itemsize
+                    out.append(np.fromfile(self.paths[name], dtype=dt, count=m, offset=off))
+            yield out
+        for part in self.parts:
+            n = len(part[0])
+            for a in range(0, n, size):
+                yield [
+                    np.zeros(min(size, n - a), np.int64)
+                    if part[k] is None
+                    else part[k][a : a + size]
+                    for k in idx
+                ]
+
+    def __iter__(self):
+        cols = [[] for _ in _M2PO_FIELDS]
+        for got in self.chunks([name for name, _ in _M2PO_FIELDS]):
+            for c, a in zip(cols, got, strict=True):
+                c.append(a)
+        out = [np.concatenate(c) if c else np.zeros(0) for c in cols]
+        out[2] = out[2].astype(np.int64)
+        return iter(out)
+
+    def __len__(self) -> int:
+        return 4
+
+    def close(self) -> None:
+        if self.own:
+            for p in self.paths.values():
+                with contextlib.suppress(OSError):
+                    os.remove(p)
 
 
 class M2POStore:
@@ -372,18 +516,30 @@ class M2POStore:
     has sequences and 4 for the group with --by, grouped by step in input order (ties are
     broken by it). Up to MISMATCH_REPLAY_M2PO_MEMORY MiB (default 768: 33M tokens of a
     log with sequence ids) stay in memory; beyond that every step's values are appended to
-    its own files in a temporary directory and `steps()` loads one step at a time, so memory
-    is bounded by the cap plus the largest step whatever the log's size (disk: the same
-    24-28 bytes a token). Tallies merge by appending (the other's tokens come after).
+    its own files in a spill directory in TMPDIR (disk: the same 24-28 bytes a token).
+
+    Resolving a step: one of at most `chunk` tokens (a quarter of the budget at ~320 bytes
+    a token: 2.5M tokens for 768 MiB) is loaded and resolved in memory (`step()`: arrays);
+    a larger one (a log without a step column is one step) comes back as a `_BigStep` and
+    `_resolve_big` streams it: an external sort of its l^2 (sorted runs of `chunk` values on
+    disk, merged), the suffix means summed in the same order as the in-memory kernel (so
+    the bins are the same), then one pass over its tokens in chunks. So memory is bounded by
+    the budget plus a chunk per thread, whatever the size of the log or of a step.
+    Tallies merge by appending (the other's tokens come after).
 
     A replay with final=True (sweep(), the CLI) empties it as it goes: once the Parquet
     row-group statistics of the step column say that no row still to come holds a step
     (io.step_bounds), the step is popped and resolved (Tally.seal_m2po, in a thread beside
     the replay), so a log sorted by step keeps only the steps in flight: 0.6 GiB peak at
     20M tokens instead of 1.0, 0.8 GiB at 200M instead of 1.45 and no spill to disk.
+
+    The spill directory is named after the host and process: it is removed when the store
+    is collected, at exit and on SIGTERM; one left by a killed process (SIGKILL) is removed
+    by the next store that spills (`reclaim_spills`). A full TMPDIR is one sentence naming
+    the directory and the fixes.
     """
 
-    FIELDS = (("x", np.float64), ("mass", np.float64), ("g", np.int32), ("seq", np.int64))
+    FIELDS = _M2PO_FIELDS
 
     def __init__(self, limit_bytes: int | None = None):
         if limit_bytes is None:
@@ -393,9 +549,14 @@ class M2POStore:
         self.nbytes = 0
         self.tokens = 0
         self.spilled_tokens = 0
-        self._dir: tempfile.TemporaryDirectory | None = None
+        self._dir: _SpillDir | None = None
         self._on_disk: dict[int, int] = {}  # step -> tokens on disk
         self._absent: set[str] = set()  # columns never given (all zero): not stored
+
+    @property
+    def chunk(self) -> int:
+        """Tokens of the largest step resolved in memory, and of a streamed chunk."""
+        return max(1024, self.limit // _STREAM_BYTES_PER_TOKEN)
 
     def __len__(self) -> int:
         return self.tokens
@@ -438,32 +599,45 @@ class M2POStore:
     def _path(self, step: int, name: str) -> str:
         return os.path.join(self._dir.name, f"step{step}.{name}")
 
+    def _spill_dir(self) -> str:
+        if self._dir is None:
+            try:
+                self._dir = _SpillDir()
+            except OSError as exc:
+                raise _spill_error(exc, tempfile.gettempdir(), self.tokens, self.limit) from exc
+        return self._dir.name
+
     def spill(self) -> None:
         """Append every in-memory part to its step's files and free the memory."""
         if not self.parts:
             return
-        if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="mismatch-replay-m2po-")
-        for s, parts in self.parts.items():
-            for k, (name, _) in enumerate(self.FIELDS):
-                if name in self._absent:
-                    continue
-                with open(self._path(s, name), "ab") as f:
-                    for part in parts:
-                        f.write(part[k].tobytes())
-            n = sum(len(p[0]) for p in parts)
-            self._on_disk[s] = self._on_disk.get(s, 0) + n
-            self.spilled_tokens += n
+        where = self._spill_dir()
+        try:
+            for s, parts in self.parts.items():
+                for k, (name, _) in enumerate(self.FIELDS):
+                    if name in self._absent:
+                        continue
+                    with open(self._path(s, name), "ab") as f:
+                        for part in parts:
+                            f.write(part[k].tobytes())
+                n = sum(len(p[0]) for p in parts)
+                self._on_disk[s] = self._on_disk.get(s, 0) + n
+                self.spilled_tokens += n
+        except OSError as exc:  # a full TMPDIR: one sentence (the files go with the store)
+            raise _spill_error(exc, where, self.tokens, self.limit) from exc
         self.parts = {}
         self.nbytes = 0
 
     def step_ids(self) -> list[int]:
         return sorted(set(self.parts) | set(self._on_disk))
 
-    def step(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(l^2, |dp|, group, sequence) of step s's tokens, in input order."""
+    def step_tokens(self, s: int) -> int:
+        return self._on_disk.get(s, 0) + sum(len(p[0]) for p in self.parts.get(s, []))
+
+    def arrays(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(l^2, |dp|, group, sequence) of step s's tokens, in input order, whole."""
         out = []
-        n = self._on_disk.get(s, 0) + sum(len(p[0]) for p in self.parts.get(s, []))
+        n = self.step_tokens(s)
         for k, (name, dt) in enumerate(self.FIELDS):
             if name in self._absent:
                 out.append(np.zeros(n, np.int64))
@@ -476,17 +650,26 @@ class M2POStore:
             out.append(a.astype(np.int64) if name == "g" else a)
         return out[0], out[1], out[2], out[3]
 
+    def step(self, s: int):
+        """Step s for m2po_resolve: its arrays (`arrays`), or a `_BigStep` (which iterates
+        as the same four arrays) when it has more than `chunk` tokens."""
+        if self.step_tokens(s) > self.chunk:
+            return _BigStep(self, s, own=False)
+        return self.arrays(s)
+
     def steps(self) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
         for s in self.step_ids():
             yield s, self.step(s)
 
-    def pop(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """step(s), then forget the step (its memory and files)."""
-        out = self.step(s)
-        n = out[0].shape[0]
+    def pop(self, s: int):
+        """step(s), then forget the step (its memory; its files, or a _BigStep's files go
+        with it and are removed once it is resolved)."""
+        n = self.step_tokens(s)
+        big = n > self.chunk
+        out = _BigStep(self, s, own=True) if big else self.arrays(s)
         for part in self.parts.pop(s, []):
             self.nbytes -= sum(c.nbytes for c in part if c is not None)
-        if self._on_disk.pop(s, None) is not None:
+        if self._on_disk.pop(s, None) is not None and not big:
             for name, _ in self.FIELDS:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self._path(s, name))
@@ -499,7 +682,8 @@ class M2POStore:
             return
         if self.tokens == 0:
             self._absent = set(other._absent)
-        for s, (x, mass, g, seq) in other.steps():
+        for s in other.step_ids():
+            x, mass, g, seq = other.arrays(s)
             g2 = None if "g" in self._absent else gmap[g]
             seq2 = None if "seq" in self._absent else (smap[seq] if smap is not None else seq)
             self.add(np.full(x.shape[0], s, np.int64), x, mass, g2, seq2)
@@ -508,7 +692,7 @@ class M2POStore:
         return {
             "limit": self.limit,
             "absent": set(self._absent),
-            "steps": {s: self.step(s) for s in self.step_ids()},
+            "steps": {s: self.arrays(s) for s in self.step_ids()},
         }
 
     def __setstate__(self, state):
@@ -518,6 +702,153 @@ class M2POStore:
             g2 = None if "g" in absent else g
             seq2 = None if "seq" in absent else seq
             self.add(np.full(x.shape[0], s, np.int64), x, mass, g2, seq2)
+
+
+def _sorted_runs(big: _BigStep, where: str) -> tuple[list[str], list[int]]:
+    """Write the step's l^2 as sorted runs of at most big.chunk values (files in `where`)."""
+    paths, sizes = [], []
+    try:
+        for (x,) in big.chunks(["x"]):
+            fd, p = tempfile.mkstemp(prefix=f"step{big.step}.run", dir=where)
+            with os.fdopen(fd, "wb") as f:
+                np.sort(x).tofile(f)
+            paths.append(p)
+            sizes.append(x.shape[0])
+    except OSError as exc:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                os.remove(p)
+        raise _spill_error(exc, where, big.n, big.limit) from exc
+    return paths, sizes
+
+
+def _merged(paths: list[str], sizes: list[int], budget: int) -> Iterator[np.ndarray]:
+    """The values of sorted runs in ascending order, in blocks; memory ~ budget values.
+    Each round takes from every run's buffer the values <= the smallest buffer end of the
+    runs not yet exhausted (no value still on disk can be below it), sorts them, yields."""
+    r = len(paths)
+    per = max(256, budget // max(r, 1))
+    pos = [0] * r
+    bufs: list[np.ndarray] = [np.zeros(0)] * r
+
+    def refill(j: int) -> None:
+        if bufs[j].shape[0] == 0 and pos[j] < sizes[j]:
+            m = min(per, sizes[j] - pos[j])
+            bufs[j] = np.fromfile(paths[j], dtype=np.float64, count=m, offset=pos[j] * 8)
+            pos[j] += m
+
+    for j in range(r):
+        refill(j)
+    while any(b.shape[0] for b in bufs):
+        ends = [b[-1] for j, b in enumerate(bufs) if b.shape[0] and pos[j] < sizes[j]]
+        cut = min(ends) if ends else math.inf
+        take = []
+        for j, b in enumerate(bufs):
+            if b.shape[0]:
+                m = int(np.searchsorted(b, cut, side="right"))
+                take.append(b[:m])
+                bufs[j] = b[m:]
+                refill(j)
+        block = np.concatenate(take)
+        block.sort(kind="stable")
+        yield block
+
+
+def _resolve_big(big: _BigStep, tally: Tally, out: dict, seq_bin: dict) -> None:
+    """m2po's bins for one large step, in memory bounded by big.chunk tokens: the same
+    bins as kernels.m2po_step_bins gives for the whole step (tested against it).
+
+    Pass 1 streams the step's l^2 in ascending order (`_merged` over sorted runs on disk):
+    the suffix sums accumulate from the smallest value up, one addition at a time in that
+    order (np.cumsum with the carry in front: the kernel's loop, bit for bit); the mean at
+    rank m (0 = largest) is its sum over the n - m values so far, binned against the sorted
+    thresholds (>=: m2po is inclusive; +inf -> K + 1). Only the ranks where the bin changes
+    are kept (about one per threshold): the boundary's value, whether it splits a run of
+    equal values, and for such a value the number of larger ones. Pass 2 reads the tokens
+    in input order in chunks: a token's bin is the level after the boundaries whose value
+    is >= its own (a search over the boundaries); the tokens of a split run take their rank
+    from their order among the equal values (the k-th in input order has rank #larger + k),
+    as the kernel's m2po_ties does."""
+    n = big.n
+    paths, sizes = _sorted_runs(big, big.dir)
+    try:
+        for ji, b in out.items():
+            job = tally.jobs[ji]
+            thr = np.ascontiguousarray(job.thresholds[job.order], dtype=np.float64)
+            _resolve_big_job(big, tally, thr, b, seq_bin[ji], paths, sizes, n)
+    finally:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                os.remove(p)
+
+
+def _resolve_big_job(big, tally, thr, b, seq_bin, paths, sizes, n) -> None:
+    k = thr.shape[0]
+    acc = 0.0
+    i0 = 0  # values consumed so far
+    prev_v = prev_b = None
+    b_rank: list[int] = []  # boundaries, found from the highest rank down
+    b_val: list[float] = []
+    b_level: list[int] = []  # the level at and above the boundary's rank
+    tie_vals: set[float] = set()
+    tie_last: dict[float, int] = {}  # value -> values <= it (its last position, 1-based)
+    for block in _merged(paths, sizes, big.chunk):
+        m = block.shape[0]
+        c = np.cumsum(np.concatenate(([acc], block)))[1:]
+        acc = float(c[-1])
+        sc = c / np.arange(i0 + 1, i0 + m + 1, dtype=np.float64)
+        if np.isnan(sc).any():
+            raise AssertionError("internal error: m2po produced NaN scores")
+        bins = np.searchsorted(thr, sc, side="right")
+        bins[sc == math.inf] = k + 1
+        if prev_b is not None:
+            vals = np.concatenate(([prev_v], block))
+            bb = np.concatenate(([prev_b], bins))
+            base = i0  # element j of vals has i = base + j (j = 0: the previous block's last)
+        else:
+            vals, bb, base = block, bins, 1
+        ch = np.flatnonzero(bb[:-1] != bb[1:])
+        for j in ch:
+            v, p = float(vals[j]), float(vals[j + 1])
+            b_rank.append(n - (base + int(j)))
+            b_val.append(v)
+            b_level.append(int(bb[j]))
+            if p == v:
+                tie_vals.add(v)
+        for v in tie_vals:
+            if block[0] <= v:
+                tie_last[v] = i0 + int(np.searchsorted(block, v, side="right"))
+        prev_v, prev_b = float(block[-1]), int(bins[-1])
+        i0 += m
+    if i0 != n:  # pragma: no cover
+        raise AssertionError("internal error: m2po's merge lost tokens")
+    rank = np.array(b_rank[::-1], dtype=np.int64)  # ascending ranks
+    bval = np.array(b_val[::-1], dtype=np.float64)  # non-increasing
+    level = np.array([prev_b, *b_level[::-1]], dtype=np.int64)
+    neg = -bval
+    lo = {v: n - tie_last[v] for v in tie_vals}  # values larger than v
+    ties = np.array(sorted(tie_vals), dtype=np.float64)
+    seen = dict.fromkeys(tie_vals, 0)
+    width = k + 2
+    size = b.count.size
+    inv_n = tally.inv_n if b.seqfrac is not None else None
+    for x, mass, g, seq in big.chunks(["x", "mass", "g", "seq"]):
+        bi = level[np.searchsorted(neg, -x, side="right")]  # #(boundary values >= x)
+        if ties.size:
+            hit = np.flatnonzero(np.isin(x, ties))
+            for v in np.unique(x[hit]) if hit.size else ():
+                sel = hit[x[hit] == v]
+                r = lo[float(v)] + seen[float(v)] + np.arange(sel.shape[0])
+                seen[float(v)] += sel.shape[0]
+                bi[sel] = level[np.searchsorted(rank, r, side="right")]
+        idx = g.astype(np.int64) * width + bi
+        b.count += np.bincount(idx, minlength=size).reshape(b.count.shape)
+        b.mass += np.bincount(idx, weights=mass, minlength=size).reshape(b.mass.shape)
+        if inv_n is not None:
+            b.seqfrac += np.bincount(idx, weights=inv_n[seq], minlength=size).reshape(
+                b.seqfrac.shape
+            )
+        np.maximum.at(seq_bin, seq, bi)
 
 
 _M2PO_POOL: ThreadPoolExecutor | None = None
@@ -533,6 +864,10 @@ def _m2po_pool() -> ThreadPoolExecutor:
     return _M2PO_POOL
 
 
+def _m2po_special(rule) -> bool:
+    return bool(getattr(rule, "keep_last", False)) or rule.precision != "float64"
+
+
 def m2po_resolve(
     tally: Tally,
     steps: Iterable[tuple[np.ndarray, ...]],
@@ -541,10 +876,24 @@ def m2po_resolve(
     G: int,
     n_seq: int,
 ) -> None:
-    """Add whole steps' m2po bins (steps: (l^2, |dp|, group, sequence) each) into out[ji]
-    (_JobBins of G groups) and seq_bin[ji] (each of n_seq sequences' highest bin) for every
-    m2po job ji."""
-    for x, mass, g, seq in steps:
+    """Add whole steps' m2po bins (steps: (l^2, |dp|, group, sequence) each, or a _BigStep
+    to stream) into out[ji] (_JobBins of G groups) and seq_bin[ji] (each of n_seq
+    sequences' highest bin) for every m2po job ji."""
+    for item in steps:
+        if isinstance(item, _BigStep):  # more than a chunk: streamed, memory bounded
+            # AReaL's keep-last (m2po@areal) and float32 take the whole step (not bounded)
+            special = {ji: b for ji, b in out.items() if _m2po_special(tally.jobs[ji].rule)}
+            plain = {ji: b for ji, b in out.items() if ji not in special}
+            try:
+                if plain:
+                    _resolve_big(item, tally, plain, seq_bin)
+                whole = list(item) if special else None
+            finally:
+                item.close()
+            if special:
+                m2po_resolve(tally, [tuple(whole)], special, seq_bin, G, n_seq)
+            continue
+        x, mass, g, seq = item
         inv = tally.inv_n[seq] if tally.inv_n is not None else None
         for ji, b in out.items():
             job = tally.jobs[ji]
@@ -561,6 +910,8 @@ def m2po_resolve(
                 b.mass,
                 b.seqfrac,
                 seq_bin[ji],
+                keep_last=job.rule.keep_last,
+                precision=job.rule.precision,
             )
 
 
@@ -609,6 +960,9 @@ class Tally:
     k3_hist: np.ndarray | None = None  # (G, K3_BINS + 1) token counts
     k3_hist_sum: np.ndarray | None = None  # (G, K3_BINS + 1) sum of k3 per bin
     top: dict = field(default_factory=dict)  # group index -> {"k3", "step", "sample_id", ...}
+    # the arithmetic of the rule decisions ("float32": as the frameworks run them on the
+    # GPU; the simple path, see replay()); metrics and the scatter stay float64
+    precision: str = "float64"
 
     def __post_init__(self):
         if not self.bins:
@@ -626,6 +980,13 @@ class Tally:
         self._scratch: dict[str, np.ndarray] = {}
         self._bufs = Recycler()  # arrays m2po's store keeps a while (sequence ids)
         self.version = 0  # bumped by every change (tables caches m2po bins on it)
+        # verl's sequence presets read sums of l clamped to +-20 (SeqStats.sum_lc, sum_k3c):
+        # kept only when a job needs them (the fused kernel does not compute them)
+        if any(j.rule.precision == "float32" for j in self.jobs):
+            self.precision = "float32"
+        self.clamped_seq = any(
+            j.rule.level == "sequence" and j.rule.arith in ("verl", "verl-k1") for j in self.jobs
+        )
 
     # -- groups and sequences
     def _group_codes(self, df: pl.DataFrame) -> np.ndarray:
@@ -732,7 +1093,12 @@ class Tally:
         """The fused path's state, or None where the simple path runs everything."""
         if self._fused is not None:
             return self._fused
-        if self._fused_off or self.boot_replicates or kernels.backend() != "numba":
+        if (
+            self._fused_off
+            or self.boot_replicates
+            or self.precision != "float64"
+            or kernels.backend() != "numba"
+        ):
             self._fused_off = True
             return None
         try:
@@ -791,6 +1157,8 @@ class Tally:
             }
             if adv is not None:
                 parts["sum_adv"] = out.seq_sum[:, 5]
+            if self.clamped_seq:
+                parts |= self._clamped_parts(TokenBatch(lp, lq), seq[1][1], seq[1][0].shape[0])
             self._merge_seq(parts, seq[1][0])
         tb = None
         for ji, job in enumerate(self.jobs):
@@ -842,9 +1210,10 @@ class Tally:
                 continue
             if rule.level == "step":
                 if not m2po_done:
+                    ts = tb.at(self.precision)  # l^2 in the replay's arithmetic
                     self.m2po.add(
                         df["step"].to_numpy(),
-                        tb.l * tb.l,
+                        ts.l * ts.l,
                         tb.abs_dp,
                         g if self.by is not None else None,
                         seq[0] if seq is not None else None,
@@ -857,7 +1226,7 @@ class Tally:
         rule = job.rule
         bins = self.bins[ji]
         bins.grow(G)
-        score = rule.score(tb, job.param)
+        score = np.asarray(rule.score(tb, job.param), dtype=np.float64)
         thr = job.thresholds[job.order]
         if np.isnan(score).any():
             raise AssertionError("internal error: a rule produced NaN scores")
@@ -970,22 +1339,33 @@ class Tally:
             idx = _scatter_index(x, log) * n + _scatter_index(y, log)
             hist += np.bincount(idx, minlength=n * n).reshape(n, n)
 
+    def _clamped_parts(self, tb: TokenBatch, local: np.ndarray, m: int) -> dict:
+        """Per-sequence sums of clip(l, -20, 20) and of verl's k3 on it (verl's presets)."""
+        ts = tb.at(self.precision)
+        return {
+            "sum_lc": np.bincount(local, weights=ts.lc, minlength=m),
+            "sum_k3c": np.bincount(local, weights=ts.k3_verl, minlength=m),
+        }
+
     def _add_seq(self, tb: TokenBatch, g: np.ndarray, seq) -> None:
         uniq, local = seq[1]
         m = uniq.shape[0]
+        ts = tb.at(self.precision)  # the per-token values in the replay's arithmetic
         parts = {
             "n": np.bincount(local, minlength=m).astype(float),
-            "sum_l": np.bincount(local, weights=tb.l, minlength=m),
-            "sum_k3": np.bincount(local, weights=tb.k3, minlength=m),
-            "sum_exp_abs_l": np.bincount(local, weights=_exp_abs(tb.l), minlength=m),
+            "sum_l": np.bincount(local, weights=ts.l, minlength=m),
+            "sum_k3": np.bincount(local, weights=ts.k3, minlength=m),
+            "sum_exp_abs_l": np.bincount(local, weights=ts.X.exp(np.abs(ts.l)), minlength=m),
             "mass": np.bincount(local, weights=tb.abs_dp, minlength=m),
         }
+        if self.clamped_seq:
+            parts |= self._clamped_parts(tb, local, m)
         if tb.advantage is not None:
             parts["sum_adv"] = np.bincount(local, weights=tb.advantage, minlength=m)
         mx = np.full(m, -math.inf)
-        np.maximum.at(mx, local, tb.k2)
+        np.maximum.at(mx, local, _f64(ts.k2))
         mn = np.full(m, math.inf)
-        np.minimum.at(mn, local, tb.l)
+        np.minimum.at(mn, local, _f64(ts.l))
         parts["max_k2"], parts["min_l"] = mx, mn
         first = np.full(m, -1.0)
         first[local[::-1]] = g[::-1]  # first token's group wins
@@ -1161,6 +1541,8 @@ class Tally:
             sum_exp_abs_l=s["sum_exp_abs_l"],
             sum_adv=s["sum_adv"],
             has_adv=self.has_adv,
+            sum_lc=s["sum_lc"] if self.clamped_seq else None,
+            sum_k3c=s["sum_k3c"] if self.clamped_seq else None,
         )
 
     def result(self) -> SweepResult:
@@ -1178,8 +1560,8 @@ def _bucket(q: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.asarray(Q_BUCKET_EDGES), q, side="right") - 1
 
 
-def _exp_abs(x: np.ndarray) -> np.ndarray:
-    return pmath.exp(np.abs(x))
+def _f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
 
 
 @dataclass
@@ -1220,6 +1602,42 @@ def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]
 
 
 MATCH = ("prime-rl",)
+_PRECISION: list[str] = []  # use_precision's stack: the default of replay(precision=None)
+
+
+@contextlib.contextmanager
+def use_precision(precision: str | None):
+    """Replay every rule in `precision` ("float64" or "float32") within a block, unless a
+    call says otherwise: how analysis.choose / compare and the report pass --precision down
+    to their replays. None leaves the default as it is."""
+    if precision is None:
+        yield
+        return
+    check_precision(precision)
+    _PRECISION.append(precision)
+    try:
+        yield
+    finally:
+        _PRECISION.pop()
+
+
+def current_precision() -> str | None:
+    """use_precision's default (None outside any block)."""
+    return _PRECISION[-1] if _PRECISION else None
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision}: use one of {', '.join(PRECISIONS)}.")
+    return precision
+
+
+def with_precision(jobs: Sequence[Job], precision: str) -> list[Job]:
+    """The jobs with every rule in `precision`."""
+    return [
+        j if j.rule.precision == precision else replace(j, rule=j.rule.replace(precision=precision))
+        for j in jobs
+    ]
 
 
 def replay(
@@ -1236,8 +1654,17 @@ def replay(
     engine: str = "local",
     ray_address: str | None = None,
     final: bool = False,
+    precision: str | None = None,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
+
+    `precision="float32"` replays every rule decision in the float32 arithmetic the
+    frameworks run on the GPU (rules.TokenBatch, rules._F32): the log-probs rounded to
+    float32, each rule's score computed in float32 (a preset's in its framework's formula),
+    the thresholds rounded to float32, NaN decided as the framework's comparison decides it.
+    Sequence sums are float32 values added in float64 and rounded once (a GPU's float32
+    reduction order cannot be reproduced). It runs on the simple path; the metrics and the
+    scatter stay float64. None: `use_precision`'s default, else "float64".
 
     `final=True` promises that this Tally will not be added to another: m2po's steps are
     then resolved during the replay as soon as the rows still to come cannot hold them (from
@@ -1261,6 +1688,11 @@ def replay(
         raise UsageError(f"--engine {engine}: use one of {', '.join(ENGINES)}.")
     plan = sources if isinstance(sources, io.Plan) else io.plan_sources(sources, options)
     jobs, notes = _resolve_jobs(plan, rules, sweeps, jobs)
+    if precision is None and _PRECISION:
+        precision = _PRECISION[-1]
+    if precision is not None:
+        jobs = with_precision(jobs, check_precision(precision))
+    precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
     if engine == "ray":
         if match is not None or bootstrap is not None or robust:
             raise UsageError(
@@ -1305,7 +1737,14 @@ def replay(
                 )
     n_seq = None if pre is None else len(pre.seq_keys)
     inv_n = None if pre is None else 1.0 / pre.seq["n"].a[:n_seq]
-    tally = Tally(jobs, by, has_seq="sample_id" in cols, has_adv="advantage" in cols, inv_n=inv_n)
+    tally = Tally(
+        jobs,
+        by,
+        has_seq="sample_id" in cols,
+        has_adv="advantage" in cols,
+        inv_n=inv_n,
+        precision=precision,
+    )
     if pre is not None:
         tally.seq_keys = dict(pre.seq_keys)
     tally.robust = robust

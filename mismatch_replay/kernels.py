@@ -65,8 +65,17 @@ Metric maxima and the scatter's bins are exactly the simple path's (the same per
 on every CPU); sums differ from the simple path's in the last bits (another order of
 addition).
 
-Rules the program does not know (a new rule, a subclass) fall back to the simple path, job by
-job. `MISMATCH_REPLAY_KERNEL=numpy` forces the simple path everywhere.
+Presets with their framework's arithmetic (rules.py `preset_arith`) are compiled as the
+stable form they equal away from their thresholds, with wider windows (`JobCode.fuzzy`): a
+ratio-space bound exp(l) > B is l > log B outside a 1e-9-relative window around log B (our exp
+is within 3 ulps); exp(lp) - exp(lq) is within 2e-15 of the stable |dp| (window + 1e-14);
+prime-rl's and AReaL's binary KL on clamped probabilities within ~4e-16 / c of ours (window
++ 2e-14 / c; measured: 0.3% of it at worst, tests/test_presets.py). Tokens in a window take the
+simple path, which runs the framework's formula, so counts are the framework arithmetic's
+exactly. The others (dppo-kl@verl's +1e-8 binary KL, verl's k1/k2/k3 presets, m2po@areal)
+and every float32 replay run on the simple path, job by job, as do rules the program does
+not know (a new rule, a subclass). `MISMATCH_REPLAY_KERNEL=numpy` forces the simple path
+everywhere.
 
 Threads: a batch is split into one contiguous chunk per thread (MISMATCH_REPLAY_THREADS,
 default: the usable cores); each thread adds into its own accumulators (interval sums persist
@@ -449,6 +458,76 @@ class JobCode:
     wop: int = W_NONE
     clamp: float | None = None
     fp: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    # A preset with its framework's arithmetic, compiled as the stable form it equals away
+    # from its thresholds: `thr_log` maps ratio-space thresholds onto l (1: log t, -1:
+    # -log(-t)), and `fuzzy` (> 0) widens every window to cover the two forms' difference,
+    # so the tokens they could decide differently take the simple path (rules.py's score).
+    thr_log: int = 0
+    fuzzy: float = 0.0
+
+
+# exp(l) against a bound decides as l against log(bound) except within a few ulps of it (pmath
+# is within 3 ulps); exp(lp) - exp(lq) is within ~2e-15 (absolute) of the stable |dp| (a few
+# ulps of each exp of a number <= 1). The windows take a margin over both.
+FUZZY_RATIO = 1e-14  # + 1e-9 relative (_mapped)
+FUZZY_PROB = 1e-14  # + ERR_REL relative
+FUZZY_KL = 2e-14  # / clamp, + the binary KL's own window
+_RATIO_OK = math.exp(19.9)  # ratio-clamp = ratio for bounds inside (e^-19.9, e^19.9)
+
+
+def _compile_arith(rule, param, values) -> JobCode | None:
+    """A preset's job (rule.arith set) as the stable op plus windows, or None."""
+    from .rules import _log
+
+    name, a = rule.name, rule.arith
+    v = rule.values()
+    if a in ("prime-rl", "areal") and name == "kpop" and v.get("clamp"):
+        # prime-rl's and AReaL's p log(p/q) + (1 - p) log((1 - p)/(1 - q)) on clamped
+        # probabilities is the stable binary KL but for 1 - p's rounding (<= 4e-16 absolute,
+        # relative to 1 - q >= c): within 4e-16 (|log c| + 1 + 1/c) of it; in float64 it
+        # never gives NaN
+        c = float(rule.clamp)
+        return JobCode(OP["kpop"], clamp=c, fuzzy=FUZZY_KL / c)
+    if a == "prob" and name in ("ipo", "ipo-v1", "dppo-tv"):
+        code = compile_job(_Bare(rule, param))
+        return None if code is None else replace(code, fuzzy=FUZZY_PROB)
+    if a not in ("ratio", "ratio-clamp") or name not in ("icepop", "token-mis", "tis", "cispo"):
+        return None
+    bounds = [x for k, x in v.items() if k in ("low", "high", "cap") and x]
+    bounds += [float(x) for x in values if x]  # the swept values too
+    if a == "ratio-clamp" and any(not 1 / _RATIO_OK < x < _RATIO_OK for x in bounds):
+        return None  # the clamp decides there: the simple path
+    if name == "tis":
+        if any(x <= 0 for x in values):
+            return None
+        return JobCode(OP["l"], W_RCLAMP, thr_log=1, fuzzy=FUZZY_RATIO)
+    if v.get("low") is None or v.get("high") is None:
+        return None
+    side = 1 if param == "high" else -1
+    if name == "cispo":
+        if param == "high":
+            fp = (_log(rule.low), float(rule.low), 0.0, 0.0)
+            return JobCode(OP["band:high"], W_CISPO_HIGH, fp=fp, thr_log=side, fuzzy=FUZZY_RATIO)
+        fp = (_log(rule.high), float(rule.high), 0.0, 0.0)
+        return JobCode(OP["band:low"], W_CISPO_LOW, fp=fp, thr_log=side, fuzzy=FUZZY_RATIO)
+    if param == "high":
+        return JobCode(
+            OP["band:high"], fp=(_log(rule.low), 0.0, 0.0, 0.0), thr_log=1, fuzzy=FUZZY_RATIO
+        )
+    return JobCode(
+        OP["band:low"], fp=(_log(rule.high), 0.0, 0.0, 0.0), thr_log=-1, fuzzy=FUZZY_RATIO
+    )
+
+
+@dataclass(frozen=True)
+class _Bare:
+    """A job of the same rule in the stable form (for compile_job)."""
+
+    rule: object
+    param: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "rule", self.rule.replace(preset=""))
 
 
 def compile_job(job) -> JobCode | None:
@@ -462,6 +541,10 @@ def compile_job(job) -> JobCode | None:
     rule, param = job.rule, job.param
     if rule.level != "token" or rule.inclusive or REGISTRY.get(rule.name) is not type(rule):
         return None  # the kernel compares strictly (every token rule of the catalogue does)
+    if rule.precision != "float64":
+        return None  # float32: the simple path
+    if rule.arith:  # a framework's own arithmetic (a preset's): compiled where it can be
+        return _compile_arith(rule, param, job.values)
     v = rule.values()
 
     def need(*names):
@@ -620,18 +703,26 @@ def critical_points(code: JobCode, bname: str, thr: np.ndarray) -> list[tuple[fl
     windows a slot's bin is constant (build_coord checks that on samples of each interval)."""
     pts: list[tuple[float, float]] = []
     t = [float(x) for x in thr if math.isfinite(x)]
+    fz = code.fuzzy
+
+    def dpw(x):  # |dp|'s window, widened for a preset's exp(lp) - exp(lq)
+        return _dp_window(x) if not fz else (x, ERR_REL * abs(x) + fz)
+
+    def _exact(x):  # a threshold on l itself: exact, or a ratio preset's window
+        return _mapped(x, fz) if fz else (x, 0.0)
+
     if bname == "adp":
-        pts += [_dp_window(x) for x in t] + [_dp_window(-x) for x in t]
+        pts += [dpw(x) for x in t] + [dpw(-x) for x in t]
     elif bname == "dp":
-        pts += [_dp_window(x) for x in t]
+        pts += [dpw(x) for x in t]
     elif bname == "-dp":
-        pts += [_dp_window(-x) for x in t]
+        pts += [dpw(-x) for x in t]
     elif bname in ("kpop", "bkl_qp"):
-        pts += [_kl_window(x, code.clamp) for x in t]
+        pts += [(x, _kl_window(x, code.clamp)[1] + fz) for x in t]
     elif bname == "l":
-        pts += [(x, 0.0) for x in t]
+        pts += [_exact(x) for x in t]
     elif bname == "-l":
-        pts += [(-x, 0.0) for x in t]
+        pts += [_exact(-x) for x in t]
     elif bname in ("r", "-r"):
         s = 1.0 if bname == "r" else -1.0
         pts += [_mapped(math.log(s * x)) for x in t if s * x > 0]
@@ -653,11 +744,11 @@ def critical_points(code: JobCode, bname: str, thr: np.ndarray) -> list[tuple[fl
     o = OPS[code.op]
     f0, f1, f2, f3 = code.fp
     if o in ("ipo-v1:high", "dppo-tv:high"):
-        pts.append(_dp_window(-f0))
+        pts.append(dpw(-f0))
     elif o in ("ipo-v1:low", "dppo-tv:low"):
-        pts.append(_dp_window(f0))
+        pts.append(dpw(f0))
     elif o in ("band:high", "band:low"):
-        pts.append((f0, 0.0))
+        pts.append(_exact(f0))
     elif o in ("dppo-kl:high", "dppo-kl:low"):
         pts.append(_kl_window(f0, code.clamp))
     elif o.startswith("ppo:"):
@@ -873,6 +964,10 @@ class Program:
                 self.slot.append(-1)
                 continue
             thr = np.ascontiguousarray(job.thresholds[job.order], dtype=np.float64)
+            if code.thr_log == 1:  # ratio-space thresholds onto l (the window covers exp's
+                thr = pmath.log(thr)  # rounding)
+            elif code.thr_log == -1:
+                thr = -pmath.log(-thr)
             sig = (code, thr.tobytes())
             if sig not in sigs:
                 sigs[sig] = len(self.codes)
@@ -1399,19 +1494,25 @@ def m2po_step_bins(
     out_mass: np.ndarray,
     out_seqfrac: np.ndarray | None,
     seq_bin: np.ndarray,
+    keep_last: bool = False,
+    precision: str = "float64",
 ) -> None:
     """Add one step's m2po bins: out_count/out_mass/out_seqfrac[g, bin], and
     seq_bin[seq] = max(seq_bin[seq], bin). x = l^2 of the step's tokens in input order.
 
     Rank m (0 = largest l^2, ties in input order) scores the mean l^2 of ranks m.. of the
     step; masked iff score >= tau. Fused backend: `_kernels_jit.m2po_step`; numpy backend:
-    a stable argsort (the reference).
+    a stable argsort (the reference). `keep_last` (m2po@areal): the last rank is never
+    masked (AReaL masks all but one token when no tail's mean is under tau).
+    `precision="float32"`: the suffix sums, counts and means in float32, as AReaL's torch
+    code runs them (a sequential float32 cumsum; a GPU scan adds in another order). Both
+    take the numpy path.
     """
     k = thr_sorted.shape[0]
     n = x.shape[0]
     if n == 0:
         return
-    j = jit()
+    j = jit() if not keep_last and precision == "float64" else None
     if j is not None:
         xs = np.sort(x)[::-1].copy()
         thr = np.ascontiguousarray(thr_sorted, dtype=np.float64)
@@ -1434,8 +1535,15 @@ def m2po_step_bins(
         return
     order = np.argsort(-x, kind="stable")
     xs = x[order]
-    suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
-    score = suffix / (n - np.arange(n))
+    if precision == "float32":
+        xs32 = xs.astype(np.float32)
+        suffix32 = np.cumsum(xs32[::-1], dtype=np.float32)[::-1]
+        score = (suffix32 / np.arange(n, 0, -1, dtype=np.float32)).astype(np.float64)
+    else:
+        suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
+        score = suffix / (n - np.arange(n))
+    if keep_last:
+        score[-1] = -math.inf
     b = bin_scores(score, thr_sorted, True)
     width = k + 2
     gg = g[order]

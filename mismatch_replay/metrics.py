@@ -6,11 +6,22 @@ Every metric is a function of a few token sums (count, sum, sum of squares, max)
 engine keeps only those, per group, and they add across batches, files and machines. The
 table names each statistic both plainly and by the name a framework logs it under (prime-rl's
 `mismatch_kl/all/mean`, verl's `rollout_corr/k3_kl`, ...), so a number can be put next to a
-dashboard's. All sums are float64; log ratios are clamped to +-20 before exp here (as verl,
-slime and SkyRL do), so a single absurd token cannot turn a mean into inf.
+dashboard's, and each is computed as that framework computes it (a metric named after a
+dashboard metric must equal it):
 
-k1 = -l, k2 = l^2/2, k3 = r - 1 - l with l = log p_train - log p_infer: their token means
-estimate KL(inference || trainer) with samples from the inference engine.
+* k3 (`kl_k3`, `kl_k3_std`, `kl_k3_max`) is unclamped, as prime-rl's `mismatch_kl`
+  (exp(l) - l - 1, loss.py) and verl's `rollout_corr/k3_kl` (rollout_corr_helper.py) are:
+  one token at l = -25 among 1,999 at l = 0 gives kl_k3 = 0.0120 (a clamp at +-20 gave
+  0.0095). We compute it as expm1(l) - l, which differs from exp(l) - l - 1 only in
+  rounding (and is exact near 0). An absurd l > 709 makes it inf, as it does there.
+* `chi2_token` clamps l to +-20 before exp, as verl's chi2_token does.
+* the std metrics are sample standard deviations (Bessel's n - 1), as torch.std is in
+  prime-rl's compute_stats and verl's rollout_probs_diff_std: on 5 tokens the population
+  std would be 11% lower. A group of one token has no std (null), as torch.std gives NaN.
+
+All sums are float64. k1 = -l, k2 = l^2/2, k3 = r - 1 - l with l = log p_train - log
+p_infer: their token means estimate KL(inference || trainer) with samples from the
+inference engine.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from . import pmath
-from .rules import LOG_CLAMP, TokenBatch
+from .rules import TokenBatch
 
 VAR_FLOOR = 1e-9  # a variance below this share of the second moment counts as zero
 
@@ -69,6 +80,16 @@ NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+def _std(sum_sq: np.ndarray, mean: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Sample standard deviation (Bessel's n - 1) from a sum of squares and the mean, as
+    torch.std computes it (prime-rl's compute_stats, verl's debug metrics); NaN for n < 2,
+    as torch.std of one value is."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        nn = np.where(n > 1, n, np.nan)
+        var = np.maximum(sum_sq / nn - mean * mean, 0.0) * (nn / (nn - 1.0))
+        return np.sqrt(var)
+
+
 class MetricSums:
     """Per-group sums and maxima; `add` one batch, `absorb` another MetricSums."""
 
@@ -84,16 +105,17 @@ class MetricSums:
 
     def add(self, tb: TokenBatch, g: np.ndarray, groups: int, entropy=None) -> None:
         self._grow(groups)
-        lc = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
-        r = pmath.exp(lc)
-        k3 = pmath.expm1(lc) - lc
+        r = tb.r_clamped  # chi2_token: verl clamps l to +-20 before exp
+        k3 = tb.k3  # unclamped, as prime-rl's mismatch_kl and verl's k3_kl are
         p, q = tb.p, tb.q
+        with np.errstate(over="ignore"):  # an absurd l: k3^2 is inf, as it is there
+            k3_sq = k3 * k3
         vals = {
             "n": None,
             "k1": -tb.l,
             "k2": tb.k2,
             "k3": k3,
-            "k3_sq": k3 * k3,
+            "k3_sq": k3_sq,
             "abs_dp": tb.abs_dp,
             "abs_dp_sq": tb.abs_dp * tb.abs_dp,
             "p": p,
@@ -147,10 +169,10 @@ class MetricSums:
                 "kl_k1": s["k1"] / n,
                 "kl_k2": s["k2"] / n,
                 "kl_k3": k3,
-                "kl_k3_std": np.sqrt(np.maximum(s["k3_sq"] / n - k3 * k3, 0.0)),
+                "kl_k3_std": _std(s["k3_sq"], k3, s["n"]),
                 "kl_k3_max": np.where(s["n"] > 0, m["k3_max"], np.nan),
                 "abs_dp_mean": s["abs_dp"] / n,
-                "abs_dp_std": np.sqrt(np.maximum(s["abs_dp_sq"] / n - (s["abs_dp"] / n) ** 2, 0)),
+                "abs_dp_std": _std(s["abs_dp_sq"], s["abs_dp"] / n, s["n"]),
                 "abs_dp_max": np.where(s["n"] > 0, m["abs_dp_max"], np.nan),
                 "chi2_token": s["r_sq"] / n - 1.0,
                 "ppl_ratio": pmath.exp(s["k1"] / n),

@@ -74,19 +74,37 @@ def report(
     force: bool = False,
     options: io.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
+    precision_threshold: float = analysis.PRECISION_THRESHOLD,
 ) -> Path:
-    """index.html with the figures, the tables, the Decision section and the command."""
+    """index.html with the figures, the tables, the Decision section and the command.
+
+    `precision="float32"`: the figures and tables replay the rules in the frameworks'
+    float32 arithmetic (engine.replay), and a "float32 vs float64" section gives a line for
+    every setting whose two masked fractions differ by more than `precision_threshold`."""
+    from . import engine
     from . import report as page
     from .decision import decision_html
     from .summary import inspect_log
 
     outdir = Path(outdir)
+    if precision is not None:
+        engine.check_precision(precision)
     _refuse_existing(outdir, ["index.html", *[f"{n}.png" for n in FIGURES]], force)
     summary = inspect_log(sources, options, progress=progress)
-    data = analysis.figure_data(sources, settings, options=options, progress=progress)
-    dec = analysis.decisions(
-        sources, target_fraction, bootstrap=bootstrap, options=options, progress=progress
+    data = analysis.figure_data(
+        sources, settings, options=options, progress=progress, precision=precision
     )
+    with engine.use_precision(precision):
+        dec = analysis.decisions(
+            sources, target_fraction, bootstrap=bootstrap, options=options, progress=progress
+        )
+    sections = [("Decision", decision_html(dec))]
+    if precision == "float32":
+        check = analysis.precision_check(
+            sources, settings, precision_threshold, options=options, progress=progress
+        )
+        sections.append(page.precision_section(check))
     ensure_dir(outdir)
     return page.write_report(
         data,
@@ -95,7 +113,7 @@ def report(
         summary=summary.to_dict(),
         force=force,
         target_fraction=target_fraction,
-        sections=[("Decision", decision_html(dec))],
+        sections=sections,
     )
 
 

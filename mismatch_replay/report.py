@@ -25,8 +25,6 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import html
-import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -326,14 +324,33 @@ def _catalogue_html() -> str:
 # ----------------------------------------------------------------------------- page
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        tmp.write_text(text, encoding="utf-8")  # mode from the umask, like any new file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _atomic_text(path: Path, text: str, force: bool = True) -> None:
+    from .output import atomic_write
+
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), force)
+
+
+def precision_section(check: dict) -> tuple[str, str]:
+    """`analysis.precision_check`'s result as an extra report section (write_report's
+    `sections`): a line per rule whose float32 and float64 masked fractions differ by more
+    than the threshold, then the table of both."""
+    rows = [
+        [
+            r["spec"],
+            _num(r["tokens"]),
+            _num(r["masked_float64"]),
+            _num(r["masked_float32"]),
+            _pct(r["fraction_float64"]),
+            _pct(r["fraction_float32"]),
+        ]
+        for r in check["rows"]
+    ]
+    lines = check["lines"] or [
+        f"float32 and float64 agree within {_pct(check['threshold'])} for every rule replayed."
+    ]
+    body = "".join(f'<p class="note">{_e(line)}</p>' for line in lines)
+    headers = ["rule", "tokens", "masked, float64", "masked, float32", "float64", "float32"]
+    return "float32 vs float64", body + _table(headers, rows, numeric=(1, 2, 3, 4, 5))
 
 
 def render_html(
@@ -435,5 +452,5 @@ def write_report(
         target_fraction=target_fraction,
         sections=sections,
     )
-    _atomic_text(index, page)
+    _atomic_text(index, page, force)
     return index

@@ -9,7 +9,13 @@ import polars as pl
 import pytest
 
 from mismatch_replay import engine
-from mismatch_replay.rules import REGISTRY, catalogue_markdown, catalogue_records, parse_rule
+from mismatch_replay.rules import (
+    REGISTRY,
+    catalogue_markdown,
+    catalogue_records,
+    parse_rule,
+    presets_markdown,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden_log.parquet"
@@ -49,6 +55,22 @@ def test_readme_catalogue_table_matches_the_code():
     start = text.index("<!-- catalogue:start -->") + len("<!-- catalogue:start -->")
     end = text.index("<!-- catalogue:end -->")
     assert text[start:end].strip() == catalogue_markdown().strip()
+
+
+def test_readme_preset_table_matches_the_code():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("<!-- presets:start -->") + len("<!-- presets:start -->")
+    end = text.index("<!-- presets:end -->")
+    assert text[start:end].strip() == presets_markdown().strip()
+
+
+def test_every_arithmetic_preset_names_its_source_and_round_trips():
+    for rec in catalogue_records():
+        for preset, arith in rec["preset_arith"].items():
+            assert "@" in rec["preset_sources"][preset], (rec["name"], preset)
+            rule = parse_rule(f"{rec['name']}@{preset}")
+            assert rule.arith == arith and rule.preset == preset
+            assert parse_rule(rule.spec()) == rule  # SPECs carry the preset and exact values
 
 
 @pytest.mark.parametrize(

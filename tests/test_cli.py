@@ -351,3 +351,24 @@ def test_module_entry_point_and_version():
         [sys.executable, "-m", "mismatch_replay", "sweep", "--help"], capture_output=True, text=True
     )
     assert res.returncode == 0 and "--sweep" in res.stdout and "--rule" in res.stdout
+
+
+def test_precision_float32_replays_the_frameworks_float32(golden_log):
+    """AReaL's binary KL in float32 turns p = 1 into NaN, which its comparison masks."""
+    counts = {}
+    for p in ("float64", "float32"):
+        res = run(
+            "sweep", str(golden_log), "-r", "kpop@areal", "-r", "ipo", "--precision", p, "--json"
+        )
+        assert res.exit_code == 0, res.output
+        counts[p] = {r["rule"]: r["masked_tokens"] for r in json.loads(res.stdout)["rows"]}
+    assert counts["float32"]["kpop"] > 10 * counts["float64"]["kpop"]
+    assert counts["float32"]["ipo"] == counts["float64"]["ipo"]
+    for cmd in (
+        ["choose", "-t", "0.01", "-r", "ipo"],
+        ["compare", "-r", "ipo", "-r", "kpop@areal"],
+    ):
+        res = run(cmd[0], str(golden_log), *cmd[1:], "--precision", "float32")
+        assert res.exit_code == 0, res.output
+    bad = run("sweep", str(golden_log), "-r", "ipo", "--precision", "float16")
+    assert bad.exit_code == 2 and "float16" in bad.stderr

@@ -68,29 +68,38 @@ def test_kl_k3_on_float32_columns(tmp_path, kernel_backend):
 
 
 def _brute_metrics(df: pl.DataFrame) -> dict:
-    """Every metric by hand in float64 on the loss tokens of df."""
+    """Every metric by hand in float64 on the loss tokens of df. The framework-named ones
+    the way the frameworks compute them: k3 = exp(l) - l - 1 unclamped (prime-rl's
+    mismatch_kl, loss.py; verl's rollout_corr/k3_kl, rollout_corr_helper.py), the stds
+    with torch.std (Bessel; prime-rl's compute_stats, verl's rollout_probs_diff_std)."""
+    import torch
+
     L = brute.Log(df)
     n = L.n
     lc = np.clip(L.l, -CLAMP, CLAMP)
-    k3 = [math.expm1(x) - x for x in lc.tolist()]
+    lt = torch.tensor(L.l, dtype=torch.float64)
+    k3t = torch.exp(lt) - lt - 1
+    k3 = [math.expm1(x) - x for x in L.l.tolist()]
     mean = lambda xs: math.fsum(xs) / n  # noqa: E731
     k3m = mean(k3)
     dpm = mean(L.abs_dp.tolist())
     p, q = np.exp(L.lp), np.exp(L.lq)
+    dpt = torch.abs(torch.exp(torch.tensor(L.lp)) - torch.exp(torch.tensor(L.lq)))
     out = {
         "tokens": n,
         "kl_k1": mean((-L.l).tolist()),
         "kl_k2": mean((L.l * L.l / 2).tolist()),
         "kl_k3": k3m,
-        "kl_k3_std": math.sqrt(mean([(x - k3m) ** 2 for x in k3])),
-        "kl_k3_max": max(k3),
+        "kl_k3_std": float(k3t.std()),
+        "kl_k3_max": float(k3t.max()),
         "abs_dp_mean": dpm,
-        "abs_dp_std": math.sqrt(mean([(x - dpm) ** 2 for x in L.abs_dp.tolist()])),
+        "abs_dp_std": float(dpt.std()),
         "abs_dp_max": float(L.abs_dp.max()),
         "chi2_token": mean(np.exp(2 * lc).tolist()) - 1.0,
         "ppl_ratio": math.exp(mean((-L.l).tolist())),
         "probs_pearson": float(np.corrcoef(p, q)[0, 1]),
     }
+    assert out["kl_k3"] == pytest.approx(float(k3t.mean()), rel=1e-12)
     return out
 
 
@@ -146,18 +155,66 @@ def test_known_values_on_a_tiny_log(tmp_path):
     assert m["probs_pearson"] == pytest.approx(-1.0, rel=1e-12)
 
 
-def test_extreme_ratios_are_clamped_and_finite(tmp_path, kernel_backend):
-    # l = +700 and -700: k3 and r^2 would overflow / lose everything without the +-20 clamp
+def test_extreme_ratios_follow_the_frameworks_and_give_no_nan(tmp_path, kernel_backend):
+    """l = +700 and -700: k3 unclamped, as prime-rl's mismatch_kl and verl's k3_kl are
+    (finite here: expm1(700) < 1.8e308; its square overflows, so the std is inf -> null,
+    never NaN); chi2_token clamps l to +-20 first, as verl does."""
     df = canonical_log([0.0, -700.0, -0.1], [-700.0, 0.0, -0.1], step=0, sample_id=[0, 1, 2])
     m = _metrics(tmp_path, df).row(0, named=True)
-    for k in ("kl_k1", "kl_k2", "kl_k3", "kl_k3_std", "kl_k3_max", "chi2_token", "abs_dp_mean"):
+    for k in ("kl_k1", "kl_k2", "kl_k3", "kl_k3_max", "chi2_token", "abs_dp_mean"):
         assert m[k] is not None and math.isfinite(m[k]), k
-    k3 = [math.expm1(20.0) - 20.0, math.expm1(-20.0) + 20.0, 0.0]
+    assert m["kl_k3_std"] is None
+    k3 = [math.expm1(700.0) - 700.0, math.expm1(-700.0) + 700.0, 0.0]
     assert m["kl_k3"] == pytest.approx(sum(k3) / 3, rel=1e-12)
     assert m["kl_k3_max"] == pytest.approx(k3[0], rel=1e-12)
+    chi2 = (math.exp(40.0) + math.exp(-40.0) + 1.0) / 3 - 1.0
+    assert m["chi2_token"] == pytest.approx(chi2, rel=1e-12)
     assert m["kl_k1"] == pytest.approx(0.0, abs=1e-12)  # k1 is not clamped: +-700 cancel
     assert m["kl_k2"] == pytest.approx(2 * 700.0**2 / 2 / 3, rel=1e-12)
     assert m["abs_dp_max"] == pytest.approx(1.0, rel=1e-12)
+
+
+def test_k3_metrics_are_unclamped_as_on_the_dashboards(tmp_path, kernel_backend):
+    """Issue 17: one token at l = -25 among 1,999 at l = 0: prime-rl's mismatch_kl/all/mean
+    and verl's rollout_corr/k3_kl are 0.0120 (k3 = e^-25 + 24); a clamp at -20 gave 0.0095."""
+    import torch
+
+    lq = np.zeros(2000)
+    lp = np.zeros(2000)
+    lp[7] = -25.0
+    df = canonical_log(lp, lq, step=0, sample_id=np.arange(2000) // 100)
+    m = _metrics(tmp_path, df).row(0, named=True)
+    lt = torch.tensor(lp - lq, dtype=torch.float64)
+    k3 = torch.exp(lt) - lt - 1  # prime-rl compute_importance_ratio_and_mismatch_kl
+    assert m["kl_k3"] == pytest.approx(float(k3.mean()), rel=1e-12)
+    assert m["kl_k3"] == pytest.approx(0.0120, abs=1e-6)
+    assert m["kl_k3_max"] == pytest.approx(float(k3.max()), rel=1e-12)
+    assert m["kl_k3_std"] == pytest.approx(float(k3.std()), rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 5, 12])
+def test_std_metrics_are_torch_std_with_bessel(tmp_path, kernel_backend, n):
+    """prime-rl's compute_stats (tensors.std()) and verl's rollout_probs_diff_std
+    (torch.std) divide by n - 1: on 5 tokens the population std is 11% lower."""
+    import torch
+
+    rng = np.random.default_rng(n)
+    lq = np.log(rng.uniform(0.05, 0.95, n))
+    lp = np.minimum(lq + rng.normal(0.0, 0.3, n), 0.0)
+    m = _metrics(tmp_path, canonical_log(lp, lq)).row(0, named=True)
+    l = torch.tensor(lp - lq, dtype=torch.float64)  # noqa: E741
+    k3 = torch.exp(l) - l - 1
+    dp = torch.abs(torch.exp(torch.tensor(lp)) - torch.exp(torch.tensor(lq)))
+    assert m["kl_k3_std"] == pytest.approx(float(k3.std()), rel=1e-9)
+    assert m["abs_dp_std"] == pytest.approx(float(dp.std()), rel=1e-9)
+    pop = float(dp.std(correction=0))
+    assert abs(m["abs_dp_std"] / pop - math.sqrt(n / (n - 1))) < 1e-9
+
+
+def test_std_of_one_token_is_null_as_torch_std_is_nan(tmp_path, kernel_backend):
+    m = _metrics(tmp_path, canonical_log([-0.2], [-0.3])).row(0, named=True)
+    assert m["kl_k3_std"] is None and m["abs_dp_std"] is None
+    assert m["kl_k3"] is not None
 
 
 def test_entropy_metrics(tmp_path):

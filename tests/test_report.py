@@ -102,7 +102,7 @@ def test_report_tables(written, data):
     # the chosen settings with their exact counts
     for spec in data.steps["spec"].unique().to_list():
         assert f"<td>{spec}</td>" in page
-    ipo = data.steps.filter(pl.col("spec") == "ipo:eps=0.3")
+    ipo = data.steps.filter(pl.col("spec") == "ipo@prime-rl:eps=0.3")
     masked = int(ipo["masked_tokens"].sum())
     assert f'<td class="num">{masked:,}</td>' in page
     # the summary, the metrics and the catalogue

@@ -98,7 +98,7 @@ def test_parse_rule_preset_then_override():
         ("ipo:nosuch=1", ["nosuch", "eps"]),
         ("icepop:eps=0.2", ["eps"]),
         ("icepop@nosuchpreset", ["nosuchpreset"]),
-        ("token-k2@verl", ["verl"]),
+        ("token-k2@trl", ["trl", "verl"]),
         ("ipo:eps=abc", ["abc"]),
         ("ipo:eps", ["eps"]),
         ("ipo:eps=inf", ["finite"]),
