@@ -872,6 +872,43 @@ RuleOpt = Annotated[
         "--rule", "-r", metavar="SPEC", help="Rule SPEC (repeatable), e.g. ipo, icepop@prime-rl."
     ),
 ]
+FromConfigOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--from-config",
+        metavar="FILE",
+        help="Take the rules and their thresholds from the trainer's own config (repeatable; "
+        "later files win): prime-rl TOML, verl / AReaL / NeMo-RL / SkyRL YAML or Hydra "
+        "overrides, TRL GRPOConfig YAML or flags, slime / OpenRLHF launch scripts.",
+    ),
+]
+FrameworkOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--framework",
+        metavar="NAME",
+        help="The --from-config file's framework (default: detected from its keys): "
+        "prime-rl, verl, areal, trl, nemo-rl, slime, skyrl, openrlhf.",
+    ),
+]
+
+
+def _config_rules(paths: list[Path] | None, framework: str | None, rules: list[str] | None):
+    """--from-config: (the TrainerConfig or None, --rule SPECs + the config's SPECs); the
+    config's notes go to stderr."""
+    if not paths:
+        if framework:
+            from .errors import UsageError
+
+            raise UsageError("--framework names the --from-config file's framework; give one.")
+        return None, rules
+    from .integrations.config_in import read_config
+
+    cfg = read_config(paths, framework, require=True)
+    err.print(f"[dim]{cfg.framework} config: {escape(', '.join(cfg.specs()))}[/]", highlight=False)
+    for n in cfg.all_notes():
+        err.print(f"[dim]  {escape(n)}[/]", highlight=False)
+    return cfg, [*(rules or []), *cfg.specs()]
 
 
 @command
@@ -906,6 +943,19 @@ def choose(
         ),
     ] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Bootstrap seed.")] = 0,
+    from_config: FromConfigOpt = None,
+    framework: FrameworkOpt = None,
+    emit: Annotated[
+        str | None,
+        typer.Option(
+            "--emit",
+            metavar="FRAMEWORK[:SYNTAX]",
+            help="Print, on stdout, the override that sets each chosen threshold in that "
+            "framework's own syntax (prime-rl TOML; verl, NeMo-RL, SkyRL Hydra overrides; "
+            "AReaL YAML; TRL, slime, OpenRLHF flags; SYNTAX: toml, yaml, hydra or cli). The "
+            "table goes to stderr.",
+        ),
+    ] = None,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
@@ -921,17 +971,25 @@ def choose(
     run. Without --rule: every mask rule the log supports, each threshold parameter (two-sided
     bands: each side with the other at its default). The answer is exact on a grid refined
     until the fraction is within 1% of the target, or limited by ties in the data (said).
+
+    --from-config reads the rules from the trainer's config; --emit writes the answer back
+    in its syntax: choose LOG --from-config rl.toml -t 0.0025 --emit prime-rl.
     """
 
     def body():
         from .analysis import choose as run_choose
 
+        if emit:
+            from .integrations.config_out import check_target
+
+            check_target(emit)  # before any pass over the log
+        cfg, rules = _config_rules(from_config, framework, rule)
         opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         with _progress("choose") as cb:
             rows = run_choose(
                 sources,
                 target_fraction,
-                rule or None,
+                rules or None,
                 bootstrap=bootstrap,
                 unit=bootstrap_unit,
                 seed=seed,
@@ -939,10 +997,20 @@ def choose(
                 progress=cb,
                 precision=precision,
             )
+        text = None
+        if emit:
+            from .integrations.config_out import emit as emit_text
+
+            text = emit_text(emit, rows, base=cfg)
         if json_:
             from .output import to_json
 
-            print(to_json({"target_fraction": target_fraction, "rows": rows}))
+            doc = {"target_fraction": target_fraction, "rows": rows}
+            if cfg is not None:
+                doc["config"] = cfg.to_dict()
+            if text is not None:
+                doc["emit"] = {"framework": emit, "text": text}
+            print(to_json(doc))
             return
         title = (
             f"threshold masking {_pct(target_fraction)} of tokens"
@@ -964,10 +1032,13 @@ def choose(
             _add_row(
                 t, label, r["param"], _fmt_num(r["value"]), ci, _pct(r["masked_fraction"]), status
             )
+        con = err if text is not None else out  # with --emit, stdout is the override
         _fit(t)
-        out.print(t)
+        con.print(t)
         for i, n in enumerate(notes, 1):
-            out.print(f"[{i}] {n}", highlight=False, markup=False)
+            con.print(f"[{i}] {n}", highlight=False, markup=False)
+        if text is not None:
+            print(text, end="")
 
     _run(body)
 
@@ -1307,6 +1378,38 @@ def report(
         typer.Option("--bootstrap", min=0, metavar="N", help="Bootstrap replicates (0: off)."),
     ] = 200,
     force: ForceOpt = False,
+    from_config: FromConfigOpt = None,
+    framework: FrameworkOpt = None,
+    wandb: Annotated[
+        str | None,
+        typer.Option(
+            "--wandb",
+            metavar="ENTITY/PROJECT[/RUN_ID]",
+            help="Also log the report to Weights & Biases: into the training run RUN_ID "
+            "(resumed) or a new run; the figures, the sweep and choose tables, the page, and "
+            "the per-step series under mismatch_replay/* against their own step. "
+            "WANDB_MODE=offline writes a local run (DIR/wandb/) for `wandb sync`. Needs the "
+            "[wandb] extra.",
+        ),
+    ] = None,
+    wandb_artifact: Annotated[
+        bool,
+        typer.Option(
+            "--wandb-artifact",
+            help="With --wandb: also convert the log to the canonical Parquet table "
+            "(DIR/tokens.parquet) and log it as a dataset artifact.",
+        ),
+    ] = False,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            "--tensorboard",
+            metavar="LOGDIR",
+            help="Also write TensorBoard event files into LOGDIR: the per-step series as "
+            "scalars at their steps, the figures as images, the chosen thresholds as text. "
+            "Needs the [tensorboard] extra (tensorboardX).",
+        ),
+    ] = None,
     map_: MapOpt = None,
     probs: ProbsOpt = False,
     drop_invalid: DropOpt = False,
@@ -1327,20 +1430,33 @@ def report(
     """Everything on one self-contained HTML page (index.html, figures embedded).
 
     The figures, the sweep table, the log summary, the preset defaults, a Decision section
-    (choose, compare, drift), the exact command and the tool version.
+    (choose, compare, drift), the exact command and the tool version. --wandb and
+    --tensorboard log the same into the tools the training run already uses.
     """
 
     def body():
         from .pipeline import report as run_report
 
+        if wandb_artifact and not wandb:
+            raise UsageError("--wandb-artifact logs to the --wandb run; give --wandb too.")
+        if wandb:
+            from .integrations.wandb_log import check as check_wandb
+
+            check_wandb(wandb)  # before any pass over the log
+        if tensorboard is not None:
+            from .integrations.tensorboard_log import check as check_tb
+
+            check_tb()
+        _, settings = _config_rules(from_config, framework, rule)
         opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
         command = _command(ctx)
+        keep: dict = {}
         with _progress("report") as cb:
             path = run_report(
                 sources,
                 output,
                 command,
-                rule or None,
+                settings or None,
                 target_fraction,
                 bootstrap,
                 force,
@@ -1348,8 +1464,36 @@ def report(
                 cb,
                 precision=precision,
                 precision_threshold=precision_threshold,
+                keep=keep,
             )
         out.print(f"report: {path}", highlight=False, markup=False)
+        if not (wandb or tensorboard is not None):
+            return
+        from .integrations.outputs import collect
+
+        logged = collect(output, keep.get("data"), keep.get("decisions"), command=command)
+        if wandb:
+            from .integrations.wandb_log import log_to_wandb
+
+            parquet = None
+            if wandb_artifact:
+                from .convert import convert as run_convert
+
+                parquet = Path(output) / "tokens.parquet"
+                with _progress("convert") as cb:
+                    run_convert(sources, parquet, opts, force=force, progress=cb)
+            info = log_to_wandb(wandb, logged, artifact=parquet, dir=output)
+            out.print(
+                f"wandb: {info['entity']}/{info['project']}/{info['id']} ({info['mode']}; "
+                f"{len(info['keys'])} keys; {info['dir']})",
+                highlight=False,
+                markup=False,
+            )
+        if tensorboard is not None:
+            from .integrations.tensorboard_log import log_to_tensorboard
+
+            info = log_to_tensorboard(tensorboard, logged)
+            out.print(f"tensorboard: {info['event_file']}", highlight=False, markup=False)
 
     _run(body)
 

@@ -76,6 +76,7 @@ def report(
     progress: Callable[[int, int], None] | None = None,
     precision: str | None = None,
     precision_threshold: float = analysis.PRECISION_THRESHOLD,
+    keep: dict | None = None,  # receives data, decisions, summary (W&B / TensorBoard)
 ) -> Path:
     """index.html with the figures, the tables, the Decision section and the command.
 
@@ -105,6 +106,8 @@ def report(
             sources, settings, precision_threshold, options=options, progress=progress
         )
         sections.append(page.precision_section(check))
+    if keep is not None:
+        keep.update(data=data, decisions=dec, summary=summary)
     ensure_dir(outdir)
     return page.write_report(
         data,

@@ -1,0 +1,262 @@
+"""Config out: the chosen threshold, written as the override the trainer itself reads.
+
+Design
+------
+`emit(framework, choices, base)` turns `analysis.choose` rows (or rule SPECs) into text in
+the framework's own syntax:
+
+* `toml`  a `[trainer.loss]` table (prime-rl);
+* `hydra` one override per line, `key=value`, joined with ` \\` so the block pastes into a
+  training command (verl, NeMo-RL, SkyRL, AReaL); string values that are not plain names are
+  quoted for Hydra (`'0.31_2.0'`) and the whole token for the shell (`"k='a,b'"`);
+* `yaml`  the nested mapping (AReaL's default, also verl, NeMo-RL, SkyRL, TRL);
+* `cli`   argparse flags (`--use-tis --tis-clip 2.5`: slime, TRL, OpenRLHF, prime-rl).
+
+Each choice is a complete alternative: the rule's slot in the base config (read with
+`--from-config`) gets the chosen rule, the other slots keep theirs, and every key that
+selects them is written, so reading the block back alone (`config_in.read_text`) gives the
+same rules: the round trip the tests run for every framework. Numbers are written as their
+shortest exact decimal (`repr`), so the threshold read back is the one chosen; derived keys
+(verl's reciprocal `lower_upper` bounds) are exact to the last bit or one ulp.
+
+Rows whose search ended out of range are skipped with a comment: there is no threshold to
+write. A header comment per block says what the setting masks on the replayed log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import UsageError
+from ..rules import Rule, parse_rule
+from .config_in import TrainerConfig, unflatten
+from .frameworks import Framework, _g, get_framework
+
+SYNTAXES = ("toml", "yaml", "hydra", "cli")
+_PLAIN = re.compile(r"^[A-Za-z_][\w\-]*$")
+
+
+def parse_target(text: str) -> tuple[str, str | None]:
+    """`verl`, `verl:yaml` -> (framework, syntax or None)."""
+    name, _, syntax = text.partition(":")
+    return get_framework(name).name, (syntax.strip().lower() or None)
+
+
+def check_target(text: str, syntax: str | None = None) -> tuple[str, str]:
+    """Validate an `--emit FRAMEWORK[:SYNTAX]` before any pass over the log; returns
+    (framework, syntax)."""
+    name, inline = parse_target(text)
+    fw = get_framework(name)
+    syntax = (syntax or inline or fw.syntaxes[0]).lower()
+    if syntax not in fw.syntaxes:
+        raise UsageError(
+            f"--emit {text}: {fw.title} configs are written as "
+            f"{' or '.join(fw.syntaxes)}, not {syntax}."
+        )
+    return name, syntax
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return _g(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def _hydra_value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return _g(v)
+    if isinstance(v, list | tuple):
+        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    s = str(v)
+    if _PLAIN.match(s) and s.lower() not in ("null", "none", "true", "false"):
+        return s
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _shell(token: str) -> str:
+    if re.fullmatch(r"[\w.\-+=/:,]+", token):
+        return token
+    if "'" in token and '"' not in token and "$" not in token:
+        return f'"{token}"'
+    return "'" + token.replace("'", "'\"'\"'") + "'"
+
+
+def _cli_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, float):
+        return _g(v)
+    if isinstance(v, int):
+        return str(v)
+    return _shell(str(v))
+
+
+def format_pairs(pairs: Sequence[tuple[str, Any]], syntax: str, fw: Framework) -> str:
+    """(dotted key, value) pairs -> text in one syntax."""
+    if syntax == "toml":
+        lines: list[str] = []
+        current = None
+        for key, value in pairs:
+            table, _, leaf = key.rpartition(".")
+            if value is None:
+                continue  # TOML has no null: an unset key is the framework's default
+            if table != current:
+                if lines:
+                    lines.append("")
+                lines.append(f"[{table}]")
+                current = table
+            lines.append(f"{leaf} = {_toml_value(value)}")
+        return "\n".join(lines)
+    if syntax == "yaml":
+        from .config_in import _yaml
+
+        tree = unflatten(pairs)
+        return _yaml().safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()
+    if syntax == "hydra":
+        return " \\\n".join(_shell(f"{k}={_hydra_value(v)}") for k, v in pairs)
+    if syntax == "cli":
+        parts = []
+        for key, value in pairs:
+            flag = fw.flag_text(key)
+            if fw.is_switch(key):
+                if value:
+                    parts.append(flag)
+                continue
+            if value is None:
+                continue
+            if isinstance(value, list | tuple):
+                parts.append(f"{flag} " + " ".join(_cli_value(x) for x in value))
+            else:
+                parts.append(f"{flag} {_cli_value(value)}")
+        return " \\\n".join(parts)
+    raise UsageError(f"unknown syntax '{syntax}': use one of {', '.join(SYNTAXES)}.")
+
+
+# ----------------------------------------------------------------------------- emit
+
+
+def _as_rule(choice: dict | str | Rule) -> tuple[Rule, dict]:
+    if isinstance(choice, Rule):
+        return choice, {}
+    if isinstance(choice, str):
+        return parse_rule(choice), {}
+    if isinstance(choice, dict) and "spec" in choice:
+        return parse_rule(choice["spec"]), choice
+    raise UsageError(f"emit: {choice!r} is neither a rule SPEC nor a choose result row.")
+
+
+def combine(fw: Framework, base: Sequence[Rule], rule: Rule) -> list[Rule]:
+    """The base config's rules with `rule` in its slot (replacing the rule held there)."""
+    if rule.name not in fw.slots:
+        raise fw.cannot(rule)
+    slot = fw.slot(rule.name)
+    out: list[Rule] = []
+    placed = False
+    for r in base:
+        if fw.slot(r.name) == slot:
+            if not placed:
+                out.append(rule)
+                placed = True
+            continue
+        out.append(r)
+    if not placed:
+        out.append(rule)
+    return out
+
+
+def _header(rule: Rule, row: dict) -> list[str]:
+    if not row:
+        return [f"# mismatch-replay: {rule.spec()}"]
+    what = "truncates" if row.get("kind") == "weight" else "masks"
+    frac = row.get("masked_fraction")
+    line = f"# mismatch-replay choose: {rule.name} {row.get('param')}={_g(row['value'])}"
+    if frac is not None:
+        line += f" {what} {100 * frac:.3g}% of {row.get('tokens', 0):,} loss tokens"
+    if row.get("target_fraction") is not None:
+        line += f" (target {100 * row['target_fraction']:.3g}%)"
+    out = [line]
+    if row.get("ci_low") is not None and row.get("ci_high") is not None:
+        out.append(
+            f"#   95% interval of the threshold: {row['ci_low']:.4g} .. {row['ci_high']:.4g}"
+        )
+    if row.get("status") not in (None, "ok"):
+        out.append(
+            f"#   status: {row['status']}" + (f" ({row['note']})" if row.get("note") else "")
+        )
+    out.append(f"#   rule: {rule.spec()}")
+    return out
+
+
+def emit(
+    framework: str,
+    choices: Sequence[dict | str | Rule],
+    base: TrainerConfig | None = None,
+    syntax: str | None = None,
+) -> str:
+    """The override(s) that set each chosen threshold, in the framework's own syntax.
+
+    `framework`: a name of `frameworks.FRAMEWORKS`, optionally `NAME:SYNTAX` (`verl:yaml`).
+    `choices`: rows of `analysis.choose` (their `spec`), rule SPECs or Rules; one block per
+    choice, separated by a blank line. `base`: the config the rules came from
+    (`read_config`); its other rules are kept in each block. `syntax`: toml, yaml, hydra or
+    cli (default: the framework's usual one).
+    """
+    name, syntax = check_target(framework, syntax)
+    fw = get_framework(name)
+    if base is not None and base.framework != fw.name:
+        raise UsageError(
+            f"--emit {fw.name}: the --from-config file is a {base.framework} config; emit "
+            f"{base.framework}, or drop --from-config."
+        )
+    base_rules = [cr.rule for cr in base.rules] if base else []
+    blocks = []
+    for choice in choices:
+        rule, row = _as_rule(choice)
+        if row.get("status") == "out of range":
+            blocks.append(
+                f"# mismatch-replay choose: {rule.name} {row.get('param')}: no threshold "
+                f"reaches the target ({row.get('note') or 'out of range'}); nothing to write."
+            )
+            continue
+        pairs, notes = fw.write(combine(fw, base_rules, rule), base.values if base else {})
+        lines = _header(rule, row) + [f"#   note: {n}" for n in notes]
+        blocks.append("\n".join([*lines, format_pairs(pairs, syntax, fw)]))
+    return "\n\n".join(blocks) + "\n"
+
+
+def assignments(framework: str, rules: Sequence[str | Rule]) -> list[tuple[str, Any]]:
+    """The (dotted key, value) pairs that select `rules` in a framework (no formatting)."""
+    fw = get_framework(framework)
+    out: list[Rule] = []
+    for r in rules:
+        out = combine(fw, out, _as_rule(r)[0])
+    return fw.write(out, {})[0]
+
+
+__all__ = [
+    "SYNTAXES",
+    "assignments",
+    "check_target",
+    "combine",
+    "emit",
+    "format_pairs",
+    "parse_target",
+]
