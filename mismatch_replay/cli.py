@@ -103,8 +103,7 @@ MapOpt = Annotated[
     typer.Option(
         "--map",
         metavar="CANONICAL=THEIRS",
-        help="Read a canonical column from another name (repeatable), "
-        "e.g. --map trainer_logprob=lp_train.",
+        help="Read a canonical column from another name (repeatable), e.g. --map advantage=adv.",
     ),
 ]
 ProbsOpt = Annotated[
@@ -1286,7 +1285,15 @@ def _print_drift(res: dict) -> None:
 
 
 OutDir = Annotated[
-    Path, typer.Option("--output", "-o", metavar="DIR", help="Directory to write into.")
+    Path,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="DIR",
+        show_default=False,
+        help="Directory to write into; by default a folder named after the command "
+        "(mismatch-replay-COMMAND) in the current directory.",
+    ),
 ]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Overwrite files that already exist in the directory.")
