@@ -1291,8 +1291,8 @@ OutDir = Annotated[
         "-o",
         metavar="DIR",
         show_default=False,
-        help="Directory to write into; by default a folder named after the command "
-        "(mismatch-replay-COMMAND) in the current directory.",
+        help="Directory to write into; by default a new folder in the current directory, "
+        "named after the command.",
     ),
 ]
 ForceOpt = Annotated[
