@@ -197,6 +197,8 @@ def plan_jobs(
             continue
         for param, grid in targets.items():
             spec = rule.param(param)
+            for v in grid:  # a grid point outside the domain: a usage error, not a row
+                spec.check(rule.name, float(v), f"--sweep {rule.name}.{param}")
             if spec.threshold:
                 others = [p.name for p in rule.params if p.threshold and p.name != param]
                 rule.require(*others)
@@ -507,6 +509,9 @@ class _BigStep:
                     os.remove(p)
 
 
+import threading as _threading  # noqa: E402 -- the store's lock (kept beside the store)
+
+
 class M2POStore:
     """m2po's input: l^2, |dp|, group and sequence of every loss token, kept per step.
 
@@ -550,6 +555,7 @@ class M2POStore:
         self.tokens = 0
         self.spilled_tokens = 0
         self._dir: _SpillDir | None = None
+        self._lock = _threading.Lock()
         self._on_disk: dict[int, int] = {}  # step -> tokens on disk
         self._absent: set[str] = set()  # columns never given (all zero): not stored
 
@@ -600,12 +606,14 @@ class M2POStore:
         return os.path.join(self._dir.name, f"step{step}.{name}")
 
     def _spill_dir(self) -> str:
-        if self._dir is None:
-            try:
-                self._dir = _SpillDir()
-            except OSError as exc:
-                raise _spill_error(exc, tempfile.gettempdir(), self.tokens, self.limit) from exc
-        return self._dir.name
+        with self._lock:  # resolving threads may ask at once (tables._m2po_bins)
+            if self._dir is None:
+                try:
+                    self._dir = _SpillDir()
+                except OSError as exc:
+                    where = tempfile.gettempdir()
+                    raise _spill_error(exc, where, self.tokens, self.limit) from exc
+            return self._dir.name
 
     def spill(self) -> None:
         """Append every in-memory part to its step's files and free the memory."""

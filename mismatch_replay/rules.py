@@ -330,11 +330,58 @@ INF = math.inf
 
 
 @dataclass(frozen=True)
+class Domain:
+    """The values a parameter may take: [lo, hi], either end open; checked when a SPEC or a
+    GRID is parsed, so a nonsense setting is a usage error instead of a table of 100%."""
+
+    lo: float = 0.0
+    hi: float = INF
+    lo_open: bool = False
+    hi_open: bool = False
+    off: bool = False  # 0 means "this side is off" (it is also inside [lo, hi])
+
+    def __contains__(self, v: float) -> bool:
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def text(self) -> str:
+        if self.lo == -INF and self.hi == INF:
+            return "a finite number"
+        if self.hi == INF:
+            where = f"{'>' if self.lo_open else '>='} {_fmt(self.lo)}"
+        else:
+            where = (
+                f"in {'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}"
+                f"{')' if self.hi_open else ']'}"
+            )
+        return where + (" (0 = off)" if self.off else "")
+
+
+REAL = Domain(-INF)  # a threshold on a signed mean (opsm's delta)
+NONNEG = Domain()  # a threshold on a magnitude: |dp|, a KL, k2, k3, a log-ratio drop
+POSITIVE = Domain(lo_open=True)  # a cap, m2po's budget
+UNIT = Domain(0.0, 1.0)  # 1 - eps_low >= 0, a veto ratio
+RATIO_LOW = Domain(0.0, 1.0, off=True)  # a band's lower ratio bound: r = 1 is always kept
+RATIO_HIGH = Domain(1.0)  # a band's upper ratio bound
+AT_LEAST_1 = Domain(1.0)  # dual-clip's c; prob-error's mean exp|l| is >= 1 by construction
+CLAMP = Domain(0.0, 0.5, lo_open=True, hi_open=True)  # clamp c: [c, 1 - c] must be an interval
+
+
+@dataclass(frozen=True)
 class Param:
     name: str
     doc: str
     grid: str  # default sweep grid (GRID syntax)
     threshold: bool = True  # sweeping it is a one-pass threshold sweep
+    domain: Domain = NONNEG
+
+    def check(self, rule: str, value: float, where: str) -> None:
+        """A usage error naming the parameter and its domain when `value` lies outside."""
+        if value not in self.domain:
+            raise UsageError(
+                f"{where}: {rule}'s {self.name} must be {self.domain.text()}, got {_fmt(value)}."
+            )
 
 
 @dataclass(frozen=True)
@@ -377,6 +424,10 @@ class Rule:
     def __post_init__(self):
         if self.precision not in OPS:
             raise UsageError(f"--precision {self.precision}: use one of {', '.join(PRECISIONS)}.")
+        for p in self.params:
+            v = getattr(self, p.name)
+            if v is not None:
+                p.check(self.name, float(v), f"rule '{self.name}'")
 
     # -- arithmetic
     @property
@@ -570,8 +621,10 @@ class IcePop(Rule):
     source = "Ring-1T, arXiv 2510.18855"
     definition = "r < low or r > high (band [low, high] kept, inclusive; tested in log space)"
     params = (
-        Param("low", "lower ratio bound (kept if r >= low)", "0.01:0.99:121:log"),
-        Param("high", "upper ratio bound (kept if r <= high)", "1.01:100:121:log"),
+        Param("low", "lower ratio bound (kept if r >= low)", "0.01:0.99:121:log", domain=RATIO_LOW),
+        Param(
+            "high", "upper ratio bound (kept if r <= high)", "1.01:100:121:log", domain=RATIO_HIGH
+        ),
     )
     presets = {
         "prime-rl": {"low": 0.2, "high": 5.0},
@@ -658,7 +711,7 @@ class KPop(Rule):
     definition = "max(BKL(p||q), BKL(q||p)) > phi, probabilities clamped to [clamp, 1-clamp]"
     params = (
         Param("phi", "binary-KL threshold (nats)", "0.0001:10:121:log"),
-        Param("clamp", "probability clamp c", "1e-8,1e-6,1e-4", threshold=False),
+        Param("clamp", "probability clamp c", "1e-8,1e-6,1e-4", threshold=False, domain=CLAMP),
     )
     presets = {
         "prime-rl": {"phi": 0.1, "clamp": 1e-6},
@@ -810,7 +863,13 @@ class DPPOKL(Rule):
     params = (
         Param("low", "binary-KL threshold when A < 0", "0.0001:10:121:log"),
         Param("high", "binary-KL threshold when A > 0", "0.0001:10:121:log"),
-        Param("clamp", "probability clamp c", "1e-8,1e-6,1e-4", threshold=False),
+        Param(
+            "clamp",
+            "probability clamp c (0: unclamped, verl's +1e-8 form)",
+            "1e-8,1e-6,1e-4",
+            threshold=False,
+            domain=Domain(0.0, 0.5, hi_open=True),
+        ),
     )
     presets = {"verl": {"low": 0.05, "high": 0.05, "clamp": 0.0}}
     preset_notes = {
@@ -856,7 +915,7 @@ class PPOClip(Rule):
     definition = "A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low"
     needs = ("advantage",)
     params = (
-        Param("eps_low", "lower clip 1 - eps_low", "0.001:0.999:121:log"),
+        Param("eps_low", "lower clip 1 - eps_low", "0.001:0.999:121:log", domain=UNIT),
         Param("eps_high", "upper clip 1 + eps_high", "0.001:10:121:log"),
     )
     presets = {
@@ -893,7 +952,10 @@ class DualClip(PPOClip):
     title = "dual-clip PPO"
     source = "Ye et al. 2020"
     definition = "ppo-clip, plus A < 0 and r > c"
-    params = (*PPOClip.params, Param("c", "dual-clip bound for A < 0", "1.01:100:121:log"))
+    params = (
+        *PPOClip.params,
+        Param("c", "dual-clip bound for A < 0", "1.01:100:121:log", domain=AT_LEAST_1),
+    )
     presets = {"paper": {"eps_low": 0.2, "eps_high": 0.2, "c": 3.0}}
     eps_low: float | None = 0.2
     eps_high: float | None = 0.2
@@ -916,7 +978,7 @@ class TIS(Rule):
     source = "verl / TIS paper; TRL"
     definition = "weight min(r, cap), detached; truncated when r > cap"
     kind = "weight"
-    params = (Param("cap", "weight cap", "1.01:100:121:log"),)
+    params = (Param("cap", "weight cap", "1.01:100:121:log", domain=POSITIVE),)
     presets = {"verl": {"cap": 2.0}, "paper": {"cap": 2.0}, "trl": {"cap": 3.0}}
     preset_notes = {
         "verl": "exp(clip(l, -20, 20)) > cap, in ratio space",
@@ -953,8 +1015,8 @@ class CISPO(Rule):
     definition = "weight clip(r, low, high), detached; truncated when r < low or r > high"
     kind = "weight"
     params = (
-        Param("low", "lower weight clip (0 = off)", "0.01:0.99:121:log"),
-        Param("high", "upper weight clip", "1.01:100:121:log"),
+        Param("low", "lower weight clip (0 = off)", "0.01:0.99:121:log", domain=RATIO_LOW),
+        Param("high", "upper weight clip", "1.01:100:121:log", domain=RATIO_HIGH),
     )
     presets = {"prime-rl": {"low": 0.0, "high": 5.0}}
     preset_notes = {"prime-rl": "prime-rl clips CISPO weights above only (low off), exp(l) > high"}
@@ -1009,7 +1071,7 @@ class SeqTIS(Rule):
     level = "sequence"
     kind = "weight"
     needs = ("sample_id",)
-    params = (Param("cap", "weight cap", "1.01:100:121:log"),)
+    params = (Param("cap", "weight cap", "1.01:100:121:log", domain=POSITIVE),)
     presets = {"verl": {"cap": 2.0}, "skyrl": {"cap": 5.0}, "trl": {"cap": 3.0}}
     preset_notes = {
         "verl": "exp(clip(S_i, -20, 20)) > cap, in ratio space",
@@ -1086,8 +1148,8 @@ class SeqMIS(_SeqBand):
     source = "verl rollout correction; TRL"
     definition = "exp(S_i) outside [low, high] (low = 0: no lower bound)"
     params = (
-        Param("low", "lower bound on the product ratio", "0.0001:0.99:121:log"),
-        Param("high", "upper bound on the product ratio", "1.01:10000:121:log"),
+        Param("low", "lower bound on the product ratio", "0.0001:0.99:121:log", domain=RATIO_LOW),
+        Param("high", "upper bound on the product ratio", "1.01:10000:121:log", domain=RATIO_HIGH),
     )
     presets = {"verl": {"low": 0.5, "high": 2.0}, "trl": {"low": 0.0, "high": 3.0}}
     preset_notes = {
@@ -1113,8 +1175,15 @@ class GeoMIS(_SeqBand):
     definition = "exp(G_i) outside [low, high], G_i = S_i / n_i"
     mean = True
     params = (
-        Param("low", "lower bound on the geometric-mean ratio", "0.1:0.9999:121:log"),
-        Param("high", "upper bound on the geometric-mean ratio", "1.0001:10:121:log"),
+        Param(
+            "low", "lower bound on the geometric-mean ratio", "0.1:0.9999:121:log", domain=RATIO_LOW
+        ),
+        Param(
+            "high",
+            "upper bound on the geometric-mean ratio",
+            "1.0001:10:121:log",
+            domain=RATIO_HIGH,
+        ),
     )
     presets = {
         "verl": {"low": 1 / 1.001, "high": 1 / 0.999},
@@ -1190,7 +1259,11 @@ class Veto(Rule):
     definition = "any token of the sequence with r < v"
     level = "sequence"
     needs = ("sample_id",)
-    params = (Param("v", "ratio below which one token vetoes its sequence", "1e-8:0.99:121:log"),)
+    params = (
+        Param(
+            "v", "ratio below which one token vetoes its sequence", "1e-8:0.99:121:log", domain=UNIT
+        ),
+    )
     v: float | None = 1e-4
 
     def threshold(self, param, value):
@@ -1208,7 +1281,9 @@ class OPSM(Rule):
     definition = "A < 0 and mean over the sequence of (lq - lp) > delta"
     level = "sequence"
     needs = ("sample_id", "advantage")
-    params = (Param("delta", "threshold on the mean log-ratio drop", "0.0001:10:121:log"),)
+    params = (
+        Param("delta", "threshold on the mean log-ratio drop", "0.0001:10:121:log", domain=REAL),
+    )
     presets = {"trl": {"delta": 0.5}}
     preset_notes = {"trl": "no published delta; TRL's docs suggest 0.5"}
     preset_sources = {"trl": f"{TRL_GRPO} get_off_policy_mask"}
@@ -1228,7 +1303,7 @@ class GSPO(Rule):
     level = "sequence"
     needs = ("sample_id", "advantage")
     params = (
-        Param("eps_low", "lower clip 1 - eps_low on exp(G_i)", "0.00001:0.5:121:log"),
+        Param("eps_low", "lower clip 1 - eps_low on exp(G_i)", "0.00001:0.5:121:log", domain=UNIT),
         Param("eps_high", "upper clip 1 + eps_high on exp(G_i)", "0.00001:10:121:log"),
     )
     presets = {"paper": {"eps_low": 3e-4, "eps_high": 4e-4}}
@@ -1256,7 +1331,9 @@ class ProbError(Rule):
     definition = "mean over the sequence of exp(|l|) > tau"
     level = "sequence"
     needs = ("sample_id",)
-    params = (Param("tau", "threshold on the mean of exp(|l|)", "1.0001:10:121:log"),)
+    params = (
+        Param("tau", "threshold on the mean of exp(|l|)", "1.0001:10:121:log", domain=AT_LEAST_1),
+    )
     presets = {"nemo-rl": {"tau": 1.5}}
     preset_notes = {"nemo-rl": "the same arithmetic as the bare rule (mean of exp|l| > tau)"}
     preset_sources = {"nemo-rl": f"{NEMO_GRPO} compute_and_apply_seq_logprob_error_masking"}
@@ -1315,14 +1392,20 @@ def parse_rule(spec: str) -> Rule:
         if cls.preset_arith.get(m["preset"]):  # the preset follows its framework's arithmetic
             values["preset"] = m["preset"]
     if m["kv"]:
+        given: set[str] = set()
         for item in m["kv"].split(","):
             if not item.strip():
                 continue
             if "=" not in item:
                 raise UsageError(f"bad rule SPEC '{spec}': '{item}' is not param=value.")
             k, v = item.split("=", 1)
-            cls.param(k.strip())
-            values[k.strip()] = _number(v, f"rule SPEC '{spec}', {k.strip()}")
+            k = k.strip()
+            param = cls.param(k)
+            if k in given:
+                raise UsageError(f"bad rule SPEC '{spec}': {k} is given twice; give it once.")
+            given.add(k)
+            values[k] = _number(v, f"rule SPEC '{spec}', {k}")
+            param.check(cls.name, values[k], f"rule SPEC '{spec}'")
     return cls(**values)
 
 
@@ -1399,6 +1482,7 @@ def catalogue_records() -> list[dict]:
                         "doc": p.doc,
                         "grid": p.grid,
                         "threshold": p.threshold,
+                        "domain": p.domain.text(),
                     }
                     for p in cls.params
                 ],

@@ -341,7 +341,7 @@ def test_emit_refuses_what_the_framework_cannot_express():
     with pytest.raises(UsageError, match=r"clamps probabilities at 1e-06"):
         config_out.emit("prime-rl", ["kpop:phi=0.1,clamp=1e-8"])
     with pytest.raises(UsageError, match=r"upper > 1"):
-        config_out.emit("areal", ["icepop:low=0.5,high=0.9"])
+        config_out.emit("areal", ["icepop:low=0.5,high=1"])
     verl = config_in.read_config(CONFIGS / "verl.yaml")
     with pytest.raises(UsageError, match=r"is a verl config"):
         config_out.emit("trl", ["tis:cap=2"], base=verl)
@@ -616,3 +616,8 @@ def test_cli_report_wandb_and_tensorboard(tmp_path, monkeypatch):
     ]
     ev = tensorboard_log.read_events(tmp_path / "tb")
     assert "mismatch_replay/masked_fraction/m2po_areal_tau_0.04" in ev["scalars"]
+
+
+def test_out_of_domain_settings_are_refused_before_emit():
+    with pytest.raises(UsageError, match=r"icepop's high must be >= 1, got 0.9"):
+        config_out.emit("areal", ["icepop:low=0.5,high=0.9"])

@@ -143,7 +143,7 @@ def _grids(df: pl.DataFrame, data) -> dict[str, np.ndarray]:
             if not p.threshold:
                 continue
             default = engine.parse_grid(p.grid)
-            ties = _tie_values(name, p.name, df)
+            ties = [v for v in _tie_values(name, p.name, df) if v in p.domain]
             pick = (
                 data.draw(st.lists(st.sampled_from(ties), max_size=6), label=f"{name}.{p.name}")
                 if ties

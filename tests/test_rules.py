@@ -591,3 +591,61 @@ def test_m2po_exact_ties_match_brute_force(df, data):
         key = row["step"] if by else None
         exp = brute.evaluate(L, "m2po", {"tau": row["value"]}, by=by)[key]
         _check_row(row, exp, f"m2po tau={row['value']} group={key}")
+
+
+# ----------------------------------------------------------------------------- domains
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("ipo:eps=-0.1", "ipo's eps must be >= 0, got -0.1"),
+        ("icepop:low=5,high=0.5", "icepop's low must be in [0, 1] (0 = off), got 5"),
+        ("icepop:high=0.5", "icepop's high must be >= 1, got 0.5"),
+        ("kpop:phi=-1", "kpop's phi must be >= 0, got -1"),
+        ("tis:cap=-1", "tis's cap must be > 0, got -1"),
+        ("geo-mis:low=2,high=1", "geo-mis's low must be in [0, 1] (0 = off), got 2"),
+        ("kpop:clamp=0", "kpop's clamp must be in (0, 0.5), got 0"),
+        ("kpop:clamp=2", "kpop's clamp must be in (0, 0.5), got 2"),
+        ("dppo-kl:clamp=0.5", "dppo-kl's clamp must be in [0, 0.5), got 0.5"),
+        ("ppo-clip:eps_low=1.5", "ppo-clip's eps_low must be in [0, 1], got 1.5"),
+        ("dual-clip:c=0.5", "dual-clip's c must be >= 1, got 0.5"),
+        ("prob-error:tau=0.9", "prob-error's tau must be >= 1, got 0.9"),
+        ("veto:v=2", "veto's v must be in [0, 1], got 2"),
+        ("ipo:eps=0.1,eps=0.2", "eps is given twice"),
+        ("icepop@verl:high=3,high=4", "high is given twice"),
+    ],
+)
+def test_a_setting_outside_its_domain_is_a_usage_error(spec, needle):
+    with pytest.raises(UsageError) as exc:
+        parse_rule(spec)
+    assert needle in str(exc.value) and spec in str(exc.value)
+
+
+def test_every_default_preset_and_grid_lies_in_its_domain():
+    for name, cls in REGISTRY.items():
+        cls()  # the defaults
+        for preset in cls.presets:
+            parse_rule(f"{name}@{preset}")
+        for p in cls.params:
+            assert all(float(v) in p.domain for v in parse_grid(p.grid)), (name, p.name)
+    assert parse_rule("cispo:low=0,high=5").low == 0.0  # 0 = off where the domain says so
+    assert parse_rule("opsm:delta=-0.5").delta == -0.5  # a signed threshold
+
+
+def test_a_grid_point_outside_the_domain_is_refused_before_the_replay():
+    with pytest.raises(UsageError, match=r"--sweep icepop.low: icepop's low must be in \[0, 1\]"):
+        engine.plan_jobs(["icepop"], {"icepop.low": "0.5:1.5:5"})
+    with pytest.raises(UsageError, match=r"kpop's clamp must be in \(0, 0.5\), got 0"):
+        engine.plan_jobs(["kpop"], {"kpop.clamp": "0,1e-6"})
+
+
+def test_the_cli_exits_2_naming_the_parameter(golden_log):
+    from typer.testing import CliRunner
+
+    from mismatch_replay.cli import app
+
+    res = CliRunner().invoke(app, ["sweep", str(golden_log), "-r", "kpop:clamp=2"])
+    assert res.exit_code == 2
+    assert "kpop's clamp must be in (0, 0.5), got 2" in res.stderr
+    assert "Traceback" not in res.output
