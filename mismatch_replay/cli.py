@@ -467,6 +467,7 @@ def inspect(
         _add_row(t, "sequences", "-" if s.sequences is None else f"{s.sequences:,}")
         inv = "none" if not s.invalid else "\n".join(f"{k}: {v:,}" for k, v in s.invalid.items())
         _add_row(t, "invalid rows", inv)
+        _add_row(t, "alignment", s.alignment)
         if agree is not None:
             _add_row(t, "prime-rl check", agree.line())
         _fit(t)

@@ -72,7 +72,7 @@ from .rules import (
     spec_warnings,
 )
 
-GROUP_KEYS = ("step", "env", "q_bucket")
+GROUP_KEYS = ("step", "env", "q_bucket", "length")
 # --by q_bucket: inference-probability buckets, labelled by their lower edge.
 Q_BUCKET_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
 # The scatter: fixed 2-D histograms of (q, p), additive like everything else in a Tally.
@@ -264,6 +264,7 @@ _SEQ_FIELDS = {  # name -> (fill, how partials combine)
     "sum_k3c": (0.0, "sum"),  # verl's k3 sums: l clamped to +-20
     "mass": (0.0, "sum"),
     "group": (-1.0, "first"),
+    "pgroup": (-1.0, "first"),  # the prompt group (step, group_id) of the sample, a code
 }
 
 
@@ -278,6 +279,9 @@ class _JobBins:
     wmax: np.ndarray | None = None
     seq_count: np.ndarray | None = None  # sequences per bin (sequence-level counts)
     seqfrac: np.ndarray | None = None  # sum of 1/n_i per bin (prime-rl's is_masked/mean)
+    # each sequence's bin (sequence rules) or highest bin over its tokens (token rules, m2po),
+    # by global sequence id: what the prompt-group counts read (tables.py); not additive
+    seq_bin: np.ndarray | None = None
 
     def grow(self, groups: int) -> None:
         for name in ("count", "mass", "wsum", "wsq", "wmax", "seq_count", "seqfrac"):
@@ -957,6 +961,12 @@ class Tally:
     notes: list[str] = field(default_factory=list)
     # prime-rl conventions (match="prime-rl"): 1 / loss tokens of each sequence, by sequence id
     inv_n: np.ndarray | None = None
+    # --by length: loss tokens of each sequence, by sequence id, counted by replay's pre-pass
+    seq_len: np.ndarray | None = None
+    # prompt groups (the log has a group_id): (step, group_id) -> code; each sequence's code
+    # is seq["pgroup"]. A sample with a null group_id is a group of its own.
+    has_pgroup: bool = False
+    pgroup_keys: dict = field(default_factory=dict)
     rule_warnings: list[str] = field(default_factory=list)
     # streaming Poisson bootstrap over units ("sequence" or "step"), see poisson_weights
     boot_replicates: int = 0
@@ -997,7 +1007,9 @@ class Tally:
         )
 
     # -- groups and sequences
-    def _group_codes(self, df: pl.DataFrame) -> np.ndarray:
+    def _group_codes(self, df: pl.DataFrame, seq=None) -> np.ndarray:
+        if self.by == "length":
+            return self._length_codes(seq[0])
         if self.by is None:
             if not self.groups:
                 self.groups.append(None)
@@ -1027,6 +1039,57 @@ class Tally:
             .to_numpy()
             .astype(np.int64)
         )
+
+    def _length_codes(self, gid: np.ndarray) -> np.ndarray:
+        """--by length: each token's group is its sequence's length bucket (from the
+        pre-pass's counts, `seq_len`); the buckets are registered once, in ascending order."""
+        codes = self._scratch.get("len_codes")
+        if codes is None:
+            if self.seq_len is None:
+                raise UsageError(
+                    "--by length needs each sequence's loss tokens up front: run it through "
+                    "replay(), which counts them in a first pass."
+                )
+            b = length_bucket(self.seq_len)
+            present = np.unique(b)
+            lut = np.full(int(present.max(initial=0)) + 1, -1, dtype=np.int64)
+            for v in present.tolist():
+                label = 1 << v
+                if label not in self._gidx:
+                    self._gidx[label] = len(self.groups)
+                    self.groups.append(label)
+                lut[v] = self._gidx[label]
+            codes = self._scratch["len_codes"] = lut[b]
+        if gid.shape[0] and gid.max() >= codes.shape[0]:
+            raise AssertionError("internal error: a sequence the length pre-pass did not see")
+        return codes[gid]
+
+    def _add_pgroups(self, df: pl.DataFrame) -> None:
+        """Each new sequence's prompt group, (step, group_id), from the batch's runs (one
+        dict lookup per run); a sequence keeps the group of its first run."""
+        starts, gid_of_run = self._runs
+        idx = pl.Series(np.asarray(starts, dtype=np.int64))
+        steps = df["step"].gather(idx).to_list()
+        gids = df["group_id"].gather(idx).to_list()
+        keys = self.pgroup_keys
+        codes = np.empty(len(steps), dtype=np.float64)
+        sids = None
+        for i, (s, g) in enumerate(zip(steps, gids, strict=True)):
+            if g is None:  # no group id: a group of its own
+                if sids is None:
+                    sids = df["sample_id"].gather(idx).to_list()
+                key = (s, None, sids[i])
+            else:
+                key = (s, g)
+            c = keys.get(key)
+            if c is None:
+                c = keys[key] = len(keys)
+            codes[i] = c
+        acc = self.seq["pgroup"]
+        acc.ensure(len(self.seq_keys))
+        rev = gid_of_run[::-1]  # reversed: among repeats, the first run's write lands last
+        cur = acc.a[rev]
+        acc.a[rev] = np.where(cur < 0, codes[::-1], cur)
 
     def _seq_codes(self, df: pl.DataFrame) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """Per-token global sequence ids, and (the batch's distinct global ids, each token's
@@ -1068,6 +1131,7 @@ class Tally:
                 gid = len(seq_keys)
                 seq_keys[key] = gid
             gid_of_run[i] = gid
+        self._runs = (starts, gid_of_run)  # the batch's runs (prompt groups read them)
         k = gid_of_run.shape[0]
         in_order = run is not None and k and gid_of_run[-1] - gid_of_run[0] == k - 1
         if in_order and (k == 1 or (np.diff(gid_of_run) == 1).all()):
@@ -1122,10 +1186,12 @@ class Tally:
         lp = df["trainer_logprob"].to_numpy()
         lq = df["inference_logprob"].to_numpy()
         adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
-        g = self._group_codes(df)
+        seq = self._seq_codes(df) if self.has_seq else None
+        if self.has_pgroup and seq is not None:
+            self._add_pgroups(df)
+        g = self._group_codes(df, seq)
         G = len(self.groups)
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
-        seq = self._seq_codes(df) if self.has_seq else None
         self.version += 1
         fused = self._fused_state()
         if fused is None:
@@ -1407,6 +1473,7 @@ class Tally:
         if self.boot_replicates or other.boot_replicates:
             raise ValueError("bootstrap Tallies number units per run and cannot be added")
         out = Tally(self.jobs, self.by, self.has_seq, self.has_adv)
+        out.has_pgroup = self.has_pgroup and other.has_pgroup
         out._absorb(self)
         out._absorb(other)
         return out
@@ -1436,6 +1503,18 @@ class Tally:
             if theirs.wmax is not None and theirs.wmax.shape[0]:
                 np.maximum.at(mine.wmax, gmap[: theirs.wmax.shape[0]], theirs.wmax)
         self.metrics.absorb(t.metrics, gmap, G)
+        if self.by == "length" and self.seq_keys and t.seq_keys:
+            if any(key in self.seq_keys for key in t.seq_keys):  # its length would be wrong
+                raise ValueError(
+                    "--by length: a sequence is in both Tallies, so neither knows its length; "
+                    "replay those files together instead of adding Tallies"
+                )
+        pmap = np.empty(len(t.pgroup_keys), dtype=np.float64)
+        for key, i in t.pgroup_keys.items():
+            c = self.pgroup_keys.get(key)
+            if c is None:
+                c = self.pgroup_keys[key] = len(self.pgroup_keys)
+            pmap[i] = c
         smap = np.empty(len(t.seq_keys), dtype=np.int64)
         for key, i in t.seq_keys.items():
             gid = self.seq_keys.get(key)
@@ -1450,6 +1529,8 @@ class Tally:
             acc.ensure(n)
             if name == "group":
                 src = np.where(src >= 0, gmap[np.maximum(src, 0).astype(np.int64)], -1.0)
+            elif name == "pgroup" and pmap.shape[0]:
+                src = np.where(src >= 0, pmap[np.maximum(src, 0).astype(np.int64)], -1.0)
             cur = acc.a[smap]
             acc.a[smap] = {
                 "sum": lambda c, s: c + s,
@@ -1564,6 +1645,13 @@ class Tally:
         )
 
 
+def length_bucket(n: np.ndarray) -> np.ndarray:
+    """--by length: floor(log2 n) of each positive count, exactly (frexp, no rounding): the
+    bucket [2^b, 2^(b+1)) is labelled by its lower edge 2^b."""
+    _, e = np.frexp(np.asarray(n, dtype=np.float64))
+    return (e - 1).astype(np.int64)
+
+
 def _bucket(q: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.asarray(Q_BUCKET_EDGES), q, side="right") - 1
 
@@ -1596,10 +1684,20 @@ def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]
         cols.add("entropy")
     if "advantage" in available and any("advantage" in j.rule.needs for j in jobs):
         cols.add("advantage")
+    if "group_id" in available and "sample_id" in available:
+        cols.add("group_id")  # prompt groups: fully masked groups per rule (tables.py)
     if by is not None:
         if by not in GROUP_KEYS:
             raise UsageError(f"--by {by}: group by one of {', '.join(GROUP_KEYS)}.")
         if by == "q_bucket":
+            return sorted(cols)
+        if by == "length":
+            if "sample_id" not in available:
+                raise DataError(
+                    "--by length buckets sequences by their loss tokens, so it needs a "
+                    f"sample_id column (found: {', '.join(available)}). Map one with --map "
+                    "sample_id=COLUMN."
+                )
             return sorted(cols)
         if by not in available and by != "step":
             raise UsageError(
@@ -1702,10 +1800,11 @@ def replay(
         jobs = with_precision(jobs, check_precision(precision))
     precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
     if engine == "ray":
-        if match is not None or bootstrap is not None or robust:
+        if match is not None or bootstrap is not None or robust or by == "length":
             raise UsageError(
-                "--engine ray computes sweeps, metrics and scatters; --match, bootstraps and "
-                "robust drift statistics run on the local engine (drop --engine ray)."
+                "--engine ray computes sweeps, metrics and scatters; --match, --by length, "
+                "bootstraps and robust drift statistics run on the local engine (drop "
+                "--engine ray)."
             )
         from . import distributed
 
@@ -1732,29 +1831,21 @@ def replay(
         def keep(df):
             return df.filter(pl.col("advantage") != 0)
 
-        pre = Tally([], None, has_seq=True)
-        for _, df in io.iter_batches(plan, ["step", "sample_id", "advantage"], pre.report):
-            df = keep(df)
-            if df.height:
-                pre._add_seq(
-                    TokenBatch(
-                        df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
-                    ),
-                    np.zeros(df.height, np.int64),
-                    pre._seq_codes(df),
-                )
-    n_seq = None if pre is None else len(pre.seq_keys)
-    inv_n = None if pre is None else 1.0 / pre.seq["n"].a[:n_seq]
+    if match is not None or by == "length":
+        pre = _count_sequences(plan, keep)
+    inv_n = None if pre is None or match is None else 1.0 / pre[1]
     tally = Tally(
         jobs,
         by,
         has_seq="sample_id" in cols,
         has_adv="advantage" in cols,
         inv_n=inv_n,
+        seq_len=None if pre is None or by != "length" else pre[1].astype(np.int64),
+        has_pgroup="group_id" in cols and "sample_id" in cols,
         precision=precision,
     )
     if pre is not None:
-        tally.seq_keys = dict(pre.seq_keys)
+        tally.seq_keys = dict(pre[0])
     tally.robust = robust
     if robust and "position" in available and "position" not in cols:
         cols = [*cols, "position"]
@@ -1773,6 +1864,7 @@ def replay(
     m2po = final and any(j.rule.level == "step" for j in jobs)
     bounds = io.step_bounds(plan) if m2po else None
     report = tally.report
+    checked = False
     with _plain_pages():
         batches = ((df, report.rows) for _, df in io.iter_batches(plan, cols, report))
         for df, rows in _prefetch(batches):  # rows: raw rows read up to this batch
@@ -1780,6 +1872,9 @@ def replay(
                 before = df.height
                 df = keep(df)
                 dropped_zero += before - df.height
+            if df.height and not checked:  # are the two columns about the same tokens?
+                checked = True
+                _warn_alignment(plan, df)
             if df.height:
                 tally.add_batch(df)
             if bounds is not None:
@@ -1800,6 +1895,37 @@ def replay(
 
 
 ENGINES = ("local", "ray")
+
+
+def _count_sequences(plan: io.Plan, keep=None) -> tuple[dict, np.ndarray]:
+    """The pre-pass of `match="prime-rl"` and `by="length"`: every sequence's id (the
+    replay numbers them in the same order) and its loss tokens (float64), from one read of
+    the step and sample_id columns (plus advantage for `keep`, prime-rl's filter)."""
+    pre = Tally([], None, has_seq=True)
+    n = _Grow(0.0)
+    cols = ["step", "sample_id"] + (["advantage"] if keep is not None else [])
+    for _, df in io.iter_batches(plan, cols, pre.report):
+        if keep is not None:
+            df = keep(df)
+        if df.height:
+            _, (uniq, local) = pre._seq_codes(df)
+            n.ensure(len(pre.seq_keys))
+            n.a[uniq] += np.bincount(local, minlength=uniq.shape[0])
+    return pre.seq_keys, n.a[: len(pre.seq_keys)].copy()
+_ALIGNMENT_WARNED: set[tuple] = set()
+
+
+def _warn_alignment(plan: io.Plan, df: pl.DataFrame) -> None:
+    """The lag check on the first batch (alignment.py), warned once per log and process."""
+    import warnings
+
+    from .alignment import first_batch_warnings
+
+    for note in first_batch_warnings(df):
+        key = (tuple(map(str, plan.files)), note)
+        if key not in _ALIGNMENT_WARNED:
+            _ALIGNMENT_WARNED.add(key)
+            warnings.warn(f"{plan.files[0]}: {note}", io.IngestWarning, stacklevel=3)
 
 
 def _resolve_jobs(plan: io.Plan, rules, sweeps, jobs) -> tuple[list[Job], list[str]]:
@@ -1838,6 +1964,7 @@ def shard_tally(
     `sample_id_offset` is added to sample ids that ingest numbers by row (one row per
     sequence without a sample_id column), so that they stay unique across shards."""
     tally = Tally(list(jobs), by, has_seq=has_seq, has_adv=has_adv)
+    tally.has_pgroup = has_seq and "group_id" in cols
     for _, df in _prefetch(io.iter_batches(plan, cols, tally.report)):
         if sample_id_offset:
             df = df.with_columns(pl.col("sample_id") + sample_id_offset)

@@ -5,12 +5,16 @@ Design
 Inspecting is diagnosis, so invalid rows are counted (per file and column) instead of raising:
 the same ingest path runs with `drop_invalid=True` and its `ReadReport` is the invalid-row
 report. Everything else comes from one metrics-only pass of the engine (no rules): loss
-tokens, steps, sequences and the mismatch metrics, overall and per step.
+tokens, steps, sequences and the mismatch metrics, overall and per step. It also counts rows
+that repeat a (step, sample_id, position) (`io.DuplicateCheck`, memory ~40 bytes a sequence)
+and warns about them, and checks that the two log-prob columns are about the same tokens
+(`alignment.AlignmentCheck`: lag 0 against lags +-1 within sequences, and degenerate columns).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ from pathlib import Path
 import polars as pl
 
 from . import io
+from .alignment import AlignmentCheck
 from .engine import Tally, columns_needed
 
 
@@ -37,6 +42,7 @@ class Summary:
     metrics: dict[str, float | None]
     per_step: pl.DataFrame
     warnings: list[str] = dataclasses.field(default_factory=list)
+    alignment: str = ""  # the lag check's verdict and evidence (one line)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -53,13 +59,30 @@ def inspect_log(
     options = dataclasses.replace(options or io.ReadOptions(), drop_invalid=True)
     plan = io.plan_sources(sources, options)
     cols = columns_needed([], "step", plan.columns)
+    dups = io.DuplicateCheck() if io.DuplicateCheck.possible(plan.columns) else None
+    if dups is not None:
+        cols = sorted({*cols, "sample_id", "position"})
+    aligned = AlignmentCheck() if AlignmentCheck.possible(plan.columns) else None
+    if aligned is not None:
+        cols = sorted({*cols, *(c for c in ("sample_id", "position") if c in plan.columns)})
     tally = Tally([], "step", has_seq="sample_id" in plan.columns)
     total = sum(plan.rows)
     for _, df in io.iter_batches(plan, cols, tally.report):
         if df.height:
             tally.add_batch(df)
+            if dups is not None:
+                dups.add(df)
+            if aligned is not None:
+                aligned.add(df)
         if progress is not None:
             progress(tally.report.rows, total)
+    note = dups.warning(plan.files) if dups is not None else None
+    if note is not None:
+        tally.report.warnings.append(note)
+        warnings.warn(note, io.IngestWarning, stacklevel=2)
+    for note in aligned.warnings() if aligned is not None else ():
+        tally.report.warnings.append(note)
+        warnings.warn(note, io.IngestWarning, stacklevel=2)
     overall = tally.metrics.total().table(None, [None]).to_dicts()[0]
     invalid = {
         f"{f}: {c}": n for (f, c), n in tally.report.dropped.items() if not c.startswith("*")
@@ -82,4 +105,5 @@ def inspect_log(
         metrics=overall,
         per_step=tally.metrics.table("step", tally.groups),
         warnings=list(dict.fromkeys([*plan.warnings, *tally.report.warnings])),
+        alignment=aligned.line() if aligned is not None else "not checked (no sample_id column)",
     )
