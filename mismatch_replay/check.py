@@ -45,7 +45,12 @@ ALIASES: dict[str, str] = {
     "training/rollout_actor_probs_pearson_corr": "probs_pearson",
     "entropy/all/mean": "entropy_mean",
 }
-CHECKABLE = tuple(k for k in NAMES if k != "tokens")
+# slime's CI metric (slime/backends/megatron_utils/loss.py and cp_utils.py, THUDM/slime
+# 624b824): |trainer - rollout| log-prob, a mean over each sample's loss tokens, then over the
+# samples (`sum_of_sample_mean`, divided by the samples when logged). Not a Tally metric: one
+# extra streaming pass computes it, per sequence, when a limit names it.
+SAMPLE_MEAN_ABS_L = "train_rollout_logprob_abs_diff"
+CHECKABLE = (*(k for k in NAMES if k != "tokens"), SAMPLE_MEAN_ABS_L)
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,11 @@ def check(
         progress=progress,
     )
     whole = res.metrics if not per_step else _whole_metrics(res)
+    if any(lim.name == SAMPLE_MEAN_ABS_L for lim in limits):
+        extra = _sample_mean_abs_l(sources, options)
+        whole = whole.with_columns(pl.lit(extra["whole"]).alias(SAMPLE_MEAN_ABS_L))
+        if per_step:
+            res.metrics = res.metrics.join(extra["steps"], on="step", how="left")
     table = res.table
     tokens = int(res.tally.report.loss_rows)
     verdicts = []
@@ -193,3 +203,28 @@ def _fraction(rows: pl.DataFrame) -> float | None:
 
 def _num(x) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
+
+
+def _sample_mean_abs_l(sources, options) -> dict:
+    """slime's train_rollout_logprob_abs_diff on the whole log and per step: the mean over
+    sequences of each sequence's mean |lp - lq| (memory: one pair of sums a sequence)."""
+    plan = io.plan_sources(sources, options)
+    if "sample_id" not in plan.columns:
+        raise UsageError(
+            f"--max {SAMPLE_MEAN_ABS_L}: slime averages per sample first, and "
+            f"{plan.files[0]} has no sample_id column (map one with --map sample_id=COLUMN)."
+        )
+    parts = []
+    for _, df in io.iter_batches(plan, ["step", "sample_id"], io.ReadReport()):
+        parts.append(
+            df.group_by("step", "sample_id").agg(
+                s=(pl.col("trainer_logprob") - pl.col("inference_logprob")).abs().sum(),
+                n=pl.len(),
+            )
+        )
+        if len(parts) > 8:  # fold: bounded by the sequences, not the batches
+            parts = [pl.concat(parts).group_by("step", "sample_id").agg(pl.sum("s", "n"))]
+    seqs = pl.concat(parts).group_by("step", "sample_id").agg(pl.sum("s", "n"))
+    seqs = seqs.with_columns(m=pl.col("s") / pl.col("n"))
+    steps = seqs.group_by("step").agg(pl.col("m").mean().alias(SAMPLE_MEAN_ABS_L))
+    return {"whole": float(seqs["m"].mean()), "steps": steps}

@@ -161,3 +161,29 @@ def test_cli_bad_data_exits_1(tmp_path):
     res = CliRunner().invoke(app, ["check", str(bad), "--max", "kl_k3=0.1"])
     assert res.exit_code == 1, res.output
     assert "trainer_logprob" in res.stderr
+
+
+def test_slimes_sample_mean_abs_diff(tokens, tmp_path):
+    """slime: mean over samples of each sample's mean |lp - lq| (cp_utils.sum_of_sample_mean)."""
+    df = pl.read_parquet(GOLDEN_LOG).filter(pl.col("loss_mask"))
+    per_sample: dict[tuple, list[float]] = {}
+    for step, sid, lp, lq in df.select(
+        "step", "sample_id", "trainer_logprob", "inference_logprob"
+    ).iter_rows():
+        per_sample.setdefault((step, sid), []).append(abs(lp - lq))
+    means = {k: sum(v) / len(v) for k, v in per_sample.items()}
+    whole = sum(means.values()) / len(means)
+    by_step: dict[int, list[float]] = {}
+    for (step, _), m in means.items():
+        by_step.setdefault(step, []).append(m)
+    worst = max(by_step, key=lambda s: sum(by_step[s]) / len(by_step[s]))
+    lim = chk.metric_limit(f"train_rollout_logprob_abs_diff={whole * 1.5}")
+    res = chk.check([tokens["path"]], [lim], per_step=True)
+    v = res.verdicts[0]
+    assert v.value == pytest.approx(whole, rel=1e-12)
+    assert v.worst_step == worst
+    assert v.worst_value == pytest.approx(sum(by_step[worst]) / len(by_step[worst]), rel=1e-12)
+    no_ids = tmp_path / "no_ids.parquet"
+    df.drop("sample_id").write_parquet(no_ids)
+    with pytest.raises(UsageError, match="no sample_id column"):
+        chk.check([str(no_ids)], [lim])
