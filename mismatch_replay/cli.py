@@ -651,10 +651,12 @@ def sweep(
         str | None,
         typer.Option(
             "--by",
-            metavar="step|env|q_bucket",
-            help="Group the counts: per step, per env, or per q_bucket (the inference "
+            metavar="step|env|q_bucket|length",
+            help="Group the counts: per step, per env, per q_bucket (the inference "
             "probability of each token, in 10 buckets; a sequence spans buckets, so there the "
-            "sequence columns and the counts of sequence rules are empty).",
+            "sequence columns and the counts of sequence rules are empty), or per length (the "
+            "sequence's loss tokens, in buckets [1,2), [2,4), [4,8) ...; one extra read of the "
+            "log counts them).",
         ),
     ] = None,
     match: Annotated[
@@ -771,12 +773,14 @@ def _spec_header(spec: str) -> str:
 
 
 def _group_cell(by: str, v) -> str:
-    from .tables import q_bucket_label
+    from .tables import group_label
 
-    return q_bucket_label(v) if by == "q_bucket" else str(v)
+    return group_label(by, v)
 
 
-def _sweep_table(title: str, part, kind: str, by, seqs: bool, prime: bool, job: bool) -> Table:
+def _sweep_table(
+    title: str, part, kind: str, by, seqs: bool, prime: bool, job: bool, groups: bool = False
+) -> Table:
     """One table of sweep rows. job=False: every rule, one row per rule x value (x group);
     job=True: the rows of one rule setting and swept parameter (the value column is headed
     by the parameter's name; the rule is in the title)."""
@@ -786,6 +790,7 @@ def _sweep_table(title: str, part, kind: str, by, seqs: bool, prime: bool, job: 
     cols += [by, "tokens"] if by else []
     if kind == "mask":
         cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
+        cols += ["groups all masked"] if groups else []
         cols += ["is_masked/ mean"] if prime else []
     else:
         cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
@@ -808,6 +813,8 @@ def _sweep_table(title: str, part, kind: str, by, seqs: bool, prime: bool, job: 
             if seqs:
                 row.append(_pct(r["masked_sequence_fraction"]))
             row.append(_pct(r["masked_mass_fraction"]))
+            if groups:
+                row.append(_pct(r["fully_masked_group_fraction"]))
             if prime:
                 row.append(_pct(r["is_masked_mean"]))
         else:
@@ -828,7 +835,7 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
     parameter, folded into one table per rule setting."""
     import polars as pl
 
-    from .tables import TOKEN_GROUPS, loss_tokens, preview
+    from .tables import TOKEN_GROUPS, loss_tokens, preview, prompt_groups
 
     shown = df if all_rows else preview(df)
     seqs = df["sequences"].null_count() < df.height
@@ -836,19 +843,25 @@ def _print_sweep(df, by: str | None, all_rows: bool) -> None:
     total = loss_tokens(df, by)
     of = "" if total is None else f", of {total:,} loss tokens"
     of += f"; tokens: per {by}" if by else ""
+    n_groups = prompt_groups(df, by)
+    groups = n_groups is not None
+    if groups:  # the log has a group_id: GRPO groups whose every sample a rule masks
+        of += f"; {n_groups:,} prompt groups (step, group_id)"
     for kind in ("mask", "weight"):
         part = shown.filter(pl.col("kind") == kind)
         if part.height == 0:
             continue
         verb = "masked" if kind == "mask" else "truncated"
-        t = _sweep_table(f"{verb} by each {kind} rule{of}", part, kind, by, seqs, prime, False)
+        t = _sweep_table(
+            f"{verb} by each {kind} rule{of}", part, kind, by, seqs, prime, False, groups
+        )
         if _fit(t):
             out.print(t)
             continue
         for _, job in part.group_by(["rule", "setting", "param"], maintain_order=True):
             label = _rule_label(job["rule"][0], job["setting"][0])
             title = f"{verb} by {label}, {job['param'][0]} swept{of}"
-            t = _sweep_table(title, job, kind, by, seqs, prime, True)
+            t = _sweep_table(title, job, kind, by, seqs, prime, True, groups)
             _fit(t)
             out.print(t)
     if by in TOKEN_GROUPS:

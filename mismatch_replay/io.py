@@ -18,7 +18,14 @@ A source with a scheme (`s3://bucket/prefix/`, `gs://...`, `hdfs://...`, `file:/
 through `pyarrow.fs`: an object, every .parquet under a prefix, or a glob; the files are
 `RemotePath`s (the key as a path, the filesystem alongside) and are opened through that
 filesystem, here or on a Ray worker. Object stores hold Parquet only (the other formats'
-readers want local files: convert first).
+readers want local files: convert first). Every request to one is bounded by
+`ReadOptions.io_timeout` (default 30 s, `--io-timeout`): the S3 client's connect and request
+timeouts, the GCS client's retry limit, and `remote_call`, which runs each metadata request
+in a daemon thread so that Ctrl-C stops a stuck connect at once (pyarrow's C++ client does
+not return to Python until it gives up: 674 s for gs:// without a network).
+Hidden files and directories under a directory source are skipped, among them the
+temporaries of a write still running or killed (`output.temp_name`); a source that is not a
+regular file (a FIFO, a socket) is named for what it is, not as missing.
 
 A *plan* is made once per call from the files' schemas alone (no data read; for JSON lines,
 each file's first record; for slime, the first dump): which source
@@ -27,7 +34,8 @@ whether the layout is one row per token or one row per sequence with list column
 whether the log holds probabilities instead of log-probabilities. Then the files are
 streamed a batch at a time (pyarrow reads only the projected columns: runs of whole row groups
 up to the batch size, decoded column by column in parallel, ~40% less CPU than its batch
-iterator; a row group larger than a batch is streamed in batches) and
+iterator; a row group larger than a batch is streamed in batches through a buffered reader,
+page by page, so that a 300M-row group costs a batch, not its 4.8 GB of column chunks) and
 each batch is canonicalised eagerly with polars: rename, explode list columns, probabilities
 -> log-probs, drop `loss_mask == false` rows, validate. Memory is bounded by the batch
 (default 1M rows ~ 16 MB per float column), never by the log. The other formats go through
@@ -40,7 +48,17 @@ column (`_quick_check`: finite, not above 1e-6, no nulls); only when that fails 
 per-problem polars expressions run, and when a batch holds an invalid row, the whole file is
 re-read to count every problem so that the error names the file, the column, how many rows,
 and the fix.
-With `drop_invalid=True` the rows are dropped instead and counted in `ReadReport`.
+With `drop_invalid=True` the rows are dropped instead and counted in `ReadReport`. A row
+counts once per column (a null log-prob is "null", not also NaN, infinite and above 0). A
+null `loss_mask`, step, sample_id or position is an invalid row like a NaN (never taken as
+false, or as step 0). Types are checked from the schema before anything is read: text where
+numbers belong, nested structs and lists of lists are one sentence (an optional payload
+column such as `advantage` is left out with a warning instead); a float step or position
+must hold whole numbers (0.25 is refused: truncating it would merge steps). Warned about: a
+canonical column present under two accepted names (which one was read), both log-prob
+columns mapped to one source column, and a file under a hive `step=N/` whose own step
+column disagrees (`_HiveCheck`); `DuplicateCheck` (inspect, convert) counts rows repeating a
+(step, sample_id, position).
 
 `read_table()` collects the canonical table in memory for small logs, tests and notebooks.
 """
@@ -77,11 +95,13 @@ OPTIONAL = (
     "old_logprob",
     "entropy",
     "token_id",
+    "group_id",
 )
 CANONICAL = REQUIRED + OPTIONAL
 LOGPROB_COLUMNS = ("trainer_logprob", "inference_logprob", "old_logprob")
 POSITIVE_TOLERANCE = 1e-6  # log-probs in (0, 1e-6] are rounding noise and clipped to 0
 IO_TIMEOUT_S = 30.0  # default connect / request timeout of object-store sources
+STREAM_BUFFER = 1 << 20  # bytes read at a time from a row group larger than a batch
 # capture.TokenWriter's layout: step=N/rank=R.parquet, committed by a COMMIT_MARKER file in step=N/
 COMMIT_MARKER = "_SUCCESS"
 CAPTURE_FILE = re.compile(r"rank=\d+\.parquet")
@@ -106,6 +126,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "old_logprob": ("old_logprobs", "old_log_probs"),
     "entropy": ("entropies", "token_entropy"),
     "token_id": ("token_ids", "tokens"),
+    # the prompt (GRPO group) a sample was drawn for: verl's non_tensor_batch['uid']
+    "group_id": ("uid", "group_index", "prompt_id", "prompt_uid"),
 }
 # Probability columns recognised by name: canonical log-prob column -> names.
 PROB_ALIASES: dict[str, tuple[str, ...]] = {
@@ -308,19 +330,22 @@ class RemotePath(PurePosixPath):
 
     scheme: str
     fs: object
+    timeout: float | None = IO_TIMEOUT_S  # seconds a metadata request may take (--io-timeout)
 
     @classmethod
-    def make(cls, scheme: str, key: str, fs) -> RemotePath:
+    def make(cls, scheme: str, key: str, fs, timeout: float | None = IO_TIMEOUT_S) -> RemotePath:
         p = cls(key)
         p.scheme = scheme
         p.fs = fs
+        p.timeout = timeout
         return p
 
     def __str__(self) -> str:
         return f"{self.scheme}://{PurePosixPath.__str__(self)}"
 
     def __reduce__(self):
-        return (RemotePath.make, (self.scheme, PurePosixPath.__str__(self), self.fs))
+        key = PurePosixPath.__str__(self)
+        return (RemotePath.make, (self.scheme, key, self.fs, self.timeout))
 
     def resolve(self) -> RemotePath:
         return self
@@ -336,7 +361,7 @@ def is_uri(text: str) -> bool:
 
 def row_group_rows(path: Path) -> list[int]:
     """Rows of each row group of a Parquet file (from its footer)."""
-    meta = pq.ParquetFile(_open(path)).metadata
+    meta = _parquet_file(path).metadata
     return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
 
 
@@ -354,8 +379,8 @@ def step_bounds(plan: Plan) -> tuple[list[int], list[float]] | None:
     total = 0
     for i, path in enumerate(plan.files):
         try:
-            meta = pq.ParquetFile(_open(path)).metadata
-        except (OSError, pa.ArrowException):
+            meta = _parquet_file(path).metadata
+        except (OSError, pa.ArrowException, DataError):
             return None
         col = None
         if src is not None:
@@ -389,23 +414,122 @@ def _open(path: Path):
     return path
 
 
-def filesystem_from_uri(text: str):
-    """(pyarrow filesystem, key) for a URI: S3, GCS, HDFS, Azure, local, as pyarrow has them."""
+def _parquet_file(path: Path, **kw) -> pq.ParquetFile:
+    """pq.ParquetFile of a local or remote file; a remote one (its footer is a request) within
+    the path's timeout, and Ctrl-C stops the wait at once (`remote_call`)."""
+    if isinstance(path, RemotePath):
+        return remote_call(lambda: pq.ParquetFile(_open(path), **kw), path.timeout, str(path))
+    return pq.ParquetFile(path, **kw)
+
+
+def remote_call(fn, timeout: float | None, what: str):
+    """fn() for a request to an object store, run in a daemon thread while this thread waits
+    in 0.1 s slices: Ctrl-C (KeyboardInterrupt, delivered to the main thread between those
+    slices) stops the command at once even when pyarrow's C++ client is stuck in a connect or
+    a read, and after `timeout` seconds (None: never) the call is abandoned with a DataError
+    naming --io-timeout. The client's own timeouts (S3: connect and request; GCS: retries)
+    are set to the same value (`filesystem_from_uri`); this is the backstop for the steps
+    they do not cover (credential lookup, region resolution). ~50 us a call."""
+    import threading
+    import time
+
+    box: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, daemon=True, name="mismatch-replay-io")
+    worker.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not done.wait(0.1):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DataError(
+                    f"{what}: no answer within {timeout:g} s (--io-timeout {timeout:g}). Check "
+                    "the network connection, the endpoint and the credentials, or pass a "
+                    "longer --io-timeout."
+                )
+    except BaseException:  # timed out or interrupted: the request is left to finish alone
+        _ABANDONED.append(worker)
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+_ABANDONED: list = []  # threads of requests given up on (timeout, Ctrl-C), maybe still running
+
+
+def stuck_requests() -> int:
+    """Object-store requests given up on that are still running. pyarrow's S3 finalizer
+    (atexit) waits for them, up to the client's own timeouts: a command line that must stop
+    now ends the process with os._exit instead (output.exit_process)."""
+    return sum(t.is_alive() for t in _ABANDONED)
+
+
+_S3_KEYS = ("region", "scheme", "endpoint_override", "anonymous")
+_GCS_KEYS = ("scheme", "endpoint_override", "anonymous", "project_id")
+
+
+def filesystem_from_uri(text: str, timeout: float | None = IO_TIMEOUT_S):
+    """(pyarrow filesystem, key) for a URI: S3, GCS, HDFS, Azure, local, as pyarrow has them.
+    s3:// and gs:// are built here with `timeout` as the client's connect / request timeout
+    (S3) and retry limit (GCS), which FileSystem.from_uri leaves at their defaults (minutes
+    without a network); a URI with other query options goes to from_uri as it is."""
+    from urllib.parse import parse_qsl, urlsplit
+
     from pyarrow import fs as pafs
 
-    return pafs.FileSystem.from_uri(text)
+    u = urlsplit(text)
+    scheme = u.scheme.lower()
+    query = dict(parse_qsl(u.query))
+    key = (u.netloc + u.path).rstrip("/") if scheme in ("s3", "gs", "gcs") else None
+    flag = query.get("anonymous", "false").lower() in ("1", "true", "yes")
+    if (
+        scheme == "s3"
+        and "@" not in u.netloc
+        and set(query) <= set(_S3_KEYS)
+        and hasattr(pafs, "S3FileSystem")
+    ):
+        kw: dict = {k: query[k] for k in ("region", "scheme", "endpoint_override") if k in query}
+        if timeout is not None:
+            kw |= {"connect_timeout": timeout, "request_timeout": timeout}
+            kw["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=3)
+        if "region" not in kw and "endpoint_override" not in kw:
+            bucket = u.netloc
+            kw["region"] = remote_call(lambda: pafs.resolve_s3_region(bucket), timeout, text)
+        return pafs.S3FileSystem(anonymous=flag, **kw), key
+    if scheme in ("gs", "gcs") and set(query) <= set(_GCS_KEYS) and hasattr(pafs, "GcsFileSystem"):
+        import datetime
+
+        kw = {k: query[k] for k in ("scheme", "endpoint_override", "project_id") if k in query}
+        if timeout is not None:
+            kw["retry_time_limit"] = datetime.timedelta(seconds=timeout)
+        return pafs.GcsFileSystem(anonymous=flag, **kw), key
+    return remote_call(lambda: pafs.FileSystem.from_uri(text), timeout, text)
 
 
-def _resolve_uri(text: str, forced: str | None) -> list[tuple[Path, str, str]]:
+def _resolve_uri(
+    text: str, forced: str | None, timeout: float | None = IO_TIMEOUT_S
+) -> list[tuple[Path, str, str]]:
     """A URI source through pyarrow.fs: one file, a prefix (every .parquet under it) or a glob.
-    Parquet only: the other formats' readers want local files."""
+    Parquet only: the other formats' readers want local files. Every request is bounded by
+    `timeout` seconds and stops on Ctrl-C (`remote_call`)."""
     import fnmatch
 
     from pyarrow import fs as pafs
 
     scheme = _URI.match(text).group(1).lower()
     try:
-        filesystem, key = filesystem_from_uri(text)
+        filesystem, key = remote_call(
+            lambda: filesystem_from_uri(text, timeout=timeout), timeout, text
+        )
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise DataError(
             f"{text}: cannot open this location ({exc}). Check the URI, the credentials "
@@ -418,13 +542,15 @@ def _resolve_uri(text: str, forced: str | None) -> list[tuple[Path, str, str]]:
             "Parquet (mismatch-replay convert the logs first)."
         )
 
+    def hidden(path: str, base: str) -> bool:  # .temporaries (output.temp_name), _markers
+        rel = PurePosixPath(path).relative_to(base) if base else PurePosixPath(path)
+        return any(part.startswith((".", "_")) for part in rel.parts)
+
     def listing(base: str) -> list[str]:
         sel = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+        infos = remote_call(lambda: filesystem.get_file_info(sel), timeout, text)
         return sorted(
-            i.path
-            for i in filesystem.get_file_info(sel)
-            if i.type == pafs.FileType.File
-            and not PurePosixPath(i.path).name.startswith((".", "_"))
+            i.path for i in infos if i.type == pafs.FileType.File and not hidden(i.path, base)
         )
 
     try:
@@ -436,13 +562,13 @@ def _resolve_uri(text: str, forced: str | None) -> list[tuple[Path, str, str]]:
             if not keys:
                 raise DataError(f"{text}: the glob matches no object. Check the pattern.")
         else:
-            info = filesystem.get_file_info(key)
+            info = remote_call(lambda: filesystem.get_file_info(key), timeout, text)
             if info.type == pafs.FileType.NotFound:
                 raise DataError(f"{text}: no such object or prefix.")
             keys = listing(key) if info.type == pafs.FileType.Directory else [key]
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{text}: listing failed ({exc}). Check the URI and credentials.") from exc
-    paths = [RemotePath.make(scheme, k, filesystem) for k in keys]
+    paths = [RemotePath.make(scheme, k, filesystem, timeout) for k in keys]
     parquet = [x for x in paths if x.suffix.lower() == ".parquet" or forced == "parquet"]
     if not parquet:
         raise DataError(
@@ -515,7 +641,7 @@ def _resolve(
         text = str(s)
         p = Path(text)
         if is_uri(text):
-            out.extend(_resolve_uri(text, forced))
+            out.extend(_resolve_uri(text, forced, options.io_timeout))
         elif any(ch in text for ch in "*?["):
             matched = [
                 Path(x)
@@ -650,7 +776,7 @@ def _stable_only(files: list[Path], include: bool, notes: list[str]) -> list[Pat
 
 def _read_schema(path: Path) -> tuple[pa.Schema, int]:
     try:
-        meta = pq.ParquetFile(_open(path))
+        meta = _parquet_file(path)
         return meta.schema_arrow, meta.metadata.num_rows
     except (OSError, pa.ArrowException) as exc:
         raise DataError(
@@ -685,6 +811,7 @@ COLUMN_KINDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sample_id": ("an integer or a string", "integers or strings", ("integer", "string", "null")),
     "loss_mask": ("a boolean", "booleans (or 0/1)", ("boolean", "integer", "float", "null")),
     "env": ("a string", "strings", ("string", "integer", "boolean", "null")),
+    "group_id": ("an integer or a string", "integers or strings", ("integer", "string", "null")),
 }
 
 
@@ -725,7 +852,7 @@ _KIND_TEXT = {
 
 # payload columns only some rules need: one of the wrong type is left out with a warning
 # (the rules that need it say so); every other column of the wrong type is an error
-_LEAVE_OUT = ("advantage", "entropy", "old_logprob", "env", "token_id")
+_LEAVE_OUT = ("advantage", "entropy", "old_logprob", "env", "token_id", "group_id")
 
 
 def _check_types(
@@ -1230,17 +1357,34 @@ def _file_batches(
     try:
         # pre_buffer=False: with it, pyarrow keeps every row group read so far until the file is
         # closed (~16 bytes a token: 3 GiB at 200M tokens); without it memory stays flat.
-        pf = pq.ParquetFile(_open(path), pre_buffer=False)
+        pf = _parquet_file(path, pre_buffer=False)
+        streamed = None
+        remote = isinstance(path, RemotePath)
         part = plan.row_groups[file_index] if file_index < len(plan.row_groups) else None
         groups = range(pf.metadata.num_row_groups) if part is None else range(*part)
         for run in _group_runs(pf.metadata, groups, plan.options.batch_rows):
             if isinstance(run, list):  # whole row groups: decoded column by column in parallel
-                yield pl.from_arrow(pf.read_row_groups(run, columns=source_cols)).rechunk()
-            else:  # a row group larger than a batch: streamed, memory stays flat
-                for rb in pf.iter_batches(
-                    batch_size=plan.options.batch_rows, columns=source_cols, row_groups=[run]
-                ):
-                    yield pl.from_arrow(rb)
+                read = lambda run=run: pf.read_row_groups(run, columns=source_cols)  # noqa: E731
+                table = remote_call(read, None, str(path)) if remote else read()
+                yield pl.from_arrow(table).rechunk()
+                continue
+            # a row group larger than a batch: streamed through a buffered reader, which
+            # reads its pages as they are decoded (unbuffered, pyarrow reads each column
+            # chunk whole: 16 bytes a row of two float columns, 4.8 GB for a 300M-row group)
+            if streamed is None:
+                streamed = _parquet_file(path, pre_buffer=False, buffer_size=STREAM_BUFFER)
+            it = streamed.iter_batches(
+                batch_size=plan.options.batch_rows, columns=source_cols, row_groups=[run]
+            )
+            while True:
+                rb = (
+                    remote_call(lambda it=it: next(it, None), None, str(path))
+                    if remote
+                    else next(it, None)
+                )
+                if rb is None:
+                    break
+                yield pl.from_arrow(rb)
     except FileNotFoundError:
         raise DataError(
             f"{path}: the file disappeared before it could be read (it was listed a moment "

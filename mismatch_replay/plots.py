@@ -1111,10 +1111,12 @@ def render_all(
     target_fraction: float | None = None,
     force: bool = False,
     dpi: int = 150,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Path]:
     """Write scatter, masked_fraction, steps and where_masked (.png/.svg/.pdf) into outdir.
 
     Refuses (before writing anything) if any of the files exists, unless `force`.
+    `progress(done, total)` is called after each figure.
     """
     fmt = fmt.lower().lstrip(".")
     if fmt not in FORMATS:
@@ -1130,6 +1132,143 @@ def render_all(
     from .output import ensure_dir
 
     ensure_dir(outdir)
-    for name, build in figures(data, target_fraction).items():
+    builds = figures(data, target_fraction)
+    for i, (name, build) in enumerate(builds.items()):
         save(build(), targets[name], fmt, dpi, force=force)
+        if progress is not None:
+            progress(i + 1, len(builds))
     return targets
+
+
+# ----------------------------------------------------------------------------- by length
+
+
+def masked_by_length(
+    table: pl.DataFrame,
+    ax: Axes | None = None,
+    column: str | None = None,
+    max_lines: int = 12,
+) -> Figure:
+    """Masked fraction against sequence length, one line per rule setting (`spec`), from a
+    `--by length` sweep table (rows: spec x length bucket; pass the settings to draw, e.g.
+    the table filtered to a few values; at most `max_lines` are drawn, the rest named in a
+    note). x: the length bucket [2^k, 2^(k+1)) of loss tokens, log2 axis, each point at the
+    bucket's geometric centre, the bucket's sequences under its tick. y (log): `column`,
+    by default each rule's masked token fraction (truncated for weight rules);
+    "masked_sequence_fraction" counts sequences instead. A product rule (seq-mis) climbs with
+    length, a geometric-mean rule (geo-mis) falls: the figure that tells them apart. Zero
+    fractions are drawn hollow on one floor row, 0.5 / the largest N drawn (N: a row's tokens,
+    or sequences), marked by a dotted line."""
+    if "length" not in table.columns:
+        raise UsageError("masked_by_length draws a sweep table made with --by length.")
+    fig, ax = _fig_ax(ax, (8.0, 5.2))
+    specs = table["spec"].unique(maintain_order=True).to_list()
+    left_out = specs[max_lines:]
+    specs = specs[:max_lines]
+    styles = _style_for(specs)
+    seqs: dict[int, int] = {}
+    rows = []
+    for spec in specs:
+        part = table.filter(pl.col("spec") == spec).sort("length")
+        kind = part["kind"][0]
+        col = column or _fraction_column(kind)
+        if col == "masked_sequence_fraction" and kind == "weight":
+            continue  # a weight rule masks no sequence
+        denom = "sequences" if col == "masked_sequence_fraction" else "tokens"
+        part = part.filter(pl.col(col).is_not_null() & pl.col(denom).is_not_null())
+        if part.height == 0:
+            continue
+        for lo, n in zip(part["length"].to_list(), part["sequences"].to_list(), strict=True):
+            if n is not None:
+                seqs[int(lo)] = max(seqs.get(int(lo), 0), int(n))
+        rows.append((spec, kind, part, col, denom))
+    # one floor for every zero (0.5 / the largest N drawn): zeros line up on one row
+    biggest = max((float(p[d].max()) for _, _, p, _, d in rows), default=1.0)
+    floor = 0.5 / max(biggest, 1.0)
+    ymin, ymax, floored = 1.0, 0.0, False
+    n_rows = max(len(rows), 1)
+    for j, (spec, kind, part, col, _denom) in enumerate(rows):
+        # the bucket's geometric centre, each line nudged sideways so that points meet less
+        nudge = 2.0 ** (0.5 + 0.04 * (j - (n_rows - 1) / 2))
+        x = part["length"].to_numpy().astype(float) * nudge
+        y = part[col].to_numpy().astype(float)
+        zero = y <= 0
+        floored |= bool(zero.any())
+        yy = np.where(zero, floor, y)
+        if (~zero).any():
+            ymin = min(ymin, float(yy[~zero].min()))
+            ymax = max(ymax, float(yy[~zero].max()))
+        color, style, _ = styles[spec]
+        label = spec_label(spec) + (" (truncated)" if kind == "weight" else "")
+        _line(
+            ax,
+            x,
+            yy,
+            gid=f"length|{spec}",
+            label=label,
+            color=color,
+            ls=style,
+            lw=1.6,
+            marker="o",
+            ms=4.5,
+            markevery=np.flatnonzero(~zero).tolist(),
+        )
+        if zero.any():
+            ax.plot(
+                x[zero],
+                yy[zero],
+                ls="none",
+                marker="o",
+                ms=4.5,
+                mfc="white",
+                mec=color,
+                gid=f"floor|{spec}",
+                label="_nolegend_",
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    low = min(ymin, floor) if floored else ymin
+    ax.set_ylim(max(low * 0.4, 1e-12), min(1.6, ymax * 3.0) if ymax > 0 else 1.0)
+    if floored:
+        ax.axhline(floor, color="0.6", ls=":", lw=0.8, gid="floor")
+        ax.annotate(
+            "0: nothing masked (hollow)",
+            (0.005, floor),
+            xycoords=("axes fraction", "data"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=_NOTE,
+            color="0.35",
+        )
+    if seqs:
+        los = sorted(seqs)
+        ax.set_xticks(
+            [lo * math.sqrt(2.0) for lo in los],  # a bucket's geometric centre
+            [f"{lo:,}–{2 * lo - 1:,}\n{seqs[lo]:,} seq" for lo in los],
+            fontsize=_NOTE,
+        )
+        ax.set_xticks([], minor=True)
+        ax.set_xlim(los[0] * 0.85, los[-1] * 2.0 * 1.2)
+    what = "sequences" if column == "masked_sequence_fraction" else "loss tokens"
+    ax.set_xlabel(
+        "sequence length: loss tokens per sequence (bucket [2^k, 2^(k+1)); sequences in it)",
+        fontsize=_LABEL,
+    )
+    ax.set_ylabel(f"fraction of the bucket's {what} masked", fontsize=_LABEL)
+    ax.tick_params(axis="y", labelsize=_SMALL)
+    ax.grid(True, which="major", color="0.92", lw=0.6)
+    ax.set_axisbelow(True)
+    ax.set_title("Masked fraction by sequence length", fontsize=_LABEL + 1)
+    if left_out:  # named where it cannot cover a line
+        ax.set_title(
+            f"Masked fraction by sequence length ({len(left_out)} more setting(s) not drawn)",
+            fontsize=_LABEL + 1,
+        )
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
+        ncol=min(2, max(len(specs), 1)),
+        fontsize=_SMALL,
+        frameon=False,
+    )
+    return fig

@@ -10,10 +10,25 @@ rows by suffix sums, so every rule reports the same columns:
 
 rule, setting (the fixed parameters), param, value, [group], tokens, masked_tokens,
 masked_fraction, truncated_tokens, truncated_fraction, sequences, masked_sequences,
-masked_sequence_fraction, masked_mass, masked_mass_fraction, is_masked_mean (prime-rl's
-is_masked/mean, with match="prime-rl"), weight_mean, weight_max, weight_ess, level, kind, spec.
+masked_sequence_fraction, prompt_groups, fully_masked_groups, fully_masked_group_fraction,
+masked_mass, masked_mass_fraction, is_masked_mean (prime-rl's is_masked/mean, with
+match="prime-rl"), weight_mean, weight_max, weight_ess, level, kind, spec.
 
 Undefined values (no sequences in the log, a weight statistic of a mask rule) are null.
+
+Prompt groups (the log has a `group_id`, e.g. verl's `uid`): a group is (step, group_id);
+its samples are the sequences (step, sample_id) with at least one loss token, each in the
+group of its first loss token (a null group_id: a group of its own). A sample is masked by
+a mask rule at a value when the rule masks any of its loss tokens (token rules, m2po) or the
+sequence itself (sequence rules) -- the sample's `masked_sequences` flag; a group is fully
+masked when every one of its samples is: under GRPO such a group adds nothing to the
+gradient (verl#6375). Weight rules mask nothing: 0 fully masked groups. From each
+sequence's bin (its highest token bin, or its sequence bin) a group's lowest sample bin
+decides, so the fully masked groups at every value are one bincount and a suffix sum per job,
+as exact as the other counts; the replay keeps one code per sequence (8 bytes) and one dict
+entry per group. The columns are null without a group_id, and where a prompt group's
+samples fall in different --by groups: always by q_bucket and by length, by env where an env
+is not constant within a group (a group is inside one step, so --by step is defined).
 
 Grouping by a token property (`q_bucket`, the inference probability of each token) splits a
 sequence over several groups, while the replay keeps one group per sequence (its first
@@ -22,7 +37,8 @@ sequence columns (sequences, masked_sequences, masked_sequence_fraction, is_mask
 every rule, and every count of a sequence rule (it masks whole sequences, so its tokens per
 bucket would need each sequence's tokens per bucket, which the replay does not keep). Token
 and m2po counts per bucket are exact. `step` and `env` are constant within a sequence: every
-column is defined there.
+column is defined there. So is `length` (engine.py): a token's group is its sequence's length
+bucket, so a sequence never spans groups and the sequence columns stay defined.
 """
 
 from __future__ import annotations
@@ -59,7 +75,17 @@ COUNT_COLUMNS = (
     "weight_max",
     "weight_ess",
 )
-INT_COLUMNS = ("tokens", "masked_tokens", "truncated_tokens", "sequences", "masked_sequences")
+# prompt groups (the log has a group_id): see the module docstring
+GROUP_COLUMNS = ("prompt_groups", "fully_masked_groups", "fully_masked_group_fraction")
+INT_COLUMNS = (
+    "tokens",
+    "masked_tokens",
+    "truncated_tokens",
+    "sequences",
+    "masked_sequences",
+    "prompt_groups",
+    "fully_masked_groups",
+)
 
 COLUMNS = (
     "rule",
@@ -74,6 +100,9 @@ COLUMNS = (
     "sequences",
     "masked_sequences",
     "masked_sequence_fraction",
+    "prompt_groups",
+    "fully_masked_groups",
+    "fully_masked_group_fraction",
     "masked_mass",
     "masked_mass_fraction",
     "is_masked_mean",
@@ -120,6 +149,7 @@ def _sequence_job_bins(tally: Tally, job: Job, G: int) -> _JobBins:
     w = rule.weight(st, job.param) if rule.kind == "weight" else None
     _accumulate(bins, b, g, G, mass, w, count=st.n)
     bins.seq_count = _seq_bins(tally, score, job, G)
+    bins.seq_bin = b
     return bins
 
 
@@ -188,6 +218,7 @@ def _m2po_bins(tally: Tally) -> dict[int, _JobBins]:
     if tally.has_seq:
         for ji, job in todo.items():
             out[ji].seq_count = _seq_count(tally, seq_bin[ji][:n_seq], len(job.values) + 2, G)
+            out[ji].seq_bin = seq_bin[ji][:n_seq]
     tally._m2po_cache = (tally.version, out)
     return out
 
@@ -206,6 +237,7 @@ def job_bins(tally: Tally, ji: int) -> _JobBins:
     if tally.has_seq and ji in tally.seq_max:
         maxbin = tally.seq_max[ji].a[: len(tally.seq_keys)]
         bins.seq_count = _seq_count(tally, maxbin, len(job.values) + 2, G)
+        bins.seq_bin = maxbin
     return bins
 
 
@@ -246,12 +278,56 @@ def _job_columns(tally: Tally, ji: int) -> tuple[dict[str, np.ndarray], np.ndarr
             cols["is_masked_mean"] = _frac(_suffix(bins.seqfrac)[:, k_idx], cols["sequences"])
         else:  # sequence rules mask whole sequences
             cols["is_masked_mean"] = _frac(cols["masked_sequences"], cols["sequences"])
+    grp = _prompt_group_bins(tally, bins.seq_bin, width, G)
+    if grp is not None:
+        cols["prompt_groups"] = np.broadcast_to(grp.sum(axis=1)[:, None], (G, K))
+        cols["fully_masked_groups"] = (
+            np.zeros((G, K), dtype=np.int64) if weight else _suffix(grp)[:, k_idx]
+        )
     cols["masked_mass"] = np.zeros((G, K)) if weight else masked_mass
     cols["masked_mass_total"] = np.broadcast_to(mass_tot[:, None], (G, K))
     if weight:
         wm, wx, we = _weight_stats(bins, job, inv)
         cols["weight_mean"], cols["weight_max"], cols["weight_ess"] = wm, wx, we
     return cols, gi
+
+
+def _prompt_layout(tally: Tally):
+    """(sequence order by prompt group, each group's first position in it, each group's
+    --by group) -- or None where the counts are undefined: no group id, or a prompt group
+    whose samples fall in different --by groups (always for q_bucket and length; for env
+    where an env is not constant within a prompt group). Cached until the tally changes."""
+    cached = getattr(tally, "_pgroup_cache", None)
+    if cached is not None and cached[0] == tally.version:
+        return cached[1]
+    out = None
+    n = len(tally.seq_keys)
+    if tally.has_pgroup and tally.has_seq and n and tally.by not in (*TOKEN_GROUPS, "length"):
+        pg = tally.seq["pgroup"].a[:n].astype(np.int64)
+        sg = tally.seq["group"].a[:n].astype(np.int64)
+        order = np.argsort(pg, kind="stable")
+        ps = pg[order]
+        starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+        gs = sg[order]
+        lo = np.minimum.reduceat(gs, starts)
+        hi = np.maximum.reduceat(gs, starts)
+        if (ps[0] >= 0) and (lo == hi).all():
+            out = (order, starts, lo)
+    tally._pgroup_cache = (tally.version, out)
+    return out
+
+
+def _prompt_group_bins(tally: Tally, seq_bin, width: int, G: int) -> np.ndarray | None:
+    """Prompt groups per (--by group, bin of the group's least-masked sample): a group is
+    fully masked at a value iff every sample is, iff its lowest sequence bin is above the
+    value's, so the fully masked groups at a value are a suffix sum, like every count."""
+    lay = _prompt_layout(tally) if seq_bin is not None else None
+    if lay is None:
+        return None
+    order, starts, by_group = lay
+    b = np.maximum(np.asarray(seq_bin)[: order.shape[0]], 0).astype(np.int64)
+    low = np.minimum.reduceat(b[order], starts)
+    return np.bincount(by_group * width + low, minlength=G * width).reshape(G, width)
 
 
 def job_frame(tally: Tally, ji: int) -> pl.DataFrame:
@@ -318,6 +394,15 @@ def _job_data(tally: Tally, job: Job, cols: dict, gi: np.ndarray) -> dict[str, o
         data["sequences"] = np.full(n_rows, np.nan)
         data["masked_sequences"] = np.full(n_rows, np.nan)
         data["masked_sequence_fraction"] = np.full(n_rows, np.nan)
+    if "prompt_groups" in flat:
+        data["prompt_groups"] = flat["prompt_groups"].astype(np.int64)
+        data["fully_masked_groups"] = flat["fully_masked_groups"].astype(np.int64)
+        data["fully_masked_group_fraction"] = _frac(
+            flat["fully_masked_groups"], flat["prompt_groups"]
+        )
+    else:
+        for k in GROUP_COLUMNS:
+            data[k] = np.full(n_rows, np.nan)
     data["masked_mass"] = flat["masked_mass"].astype(float)
     data["masked_mass_fraction"] = _frac(flat["masked_mass"], flat["masked_mass_total"])
     data["is_masked_mean"] = (
@@ -397,6 +482,36 @@ def loss_tokens(df: pl.DataFrame, by: str | None = None) -> int | None:
     keys = ("rule", "setting", "param", "value")
     one = rows.filter(pl.all_horizontal([pl.col(k).eq_missing(first[k]) for k in keys]))
     return int(one["tokens"].sum())
+
+
+def prompt_groups(df: pl.DataFrame, by: str | None = None) -> int | None:
+    """The prompt groups a sweep table counts (like `loss_tokens`: with `by`, one rule
+    setting and value summed over its groups); None where the table has none."""
+    if "prompt_groups" not in df.columns:
+        return None
+    rows = df.filter(pl.col("prompt_groups").is_not_null())
+    if rows.height == 0:
+        return None
+    if by is None:
+        return int(rows["prompt_groups"].max())
+    first = rows.row(0, named=True)
+    keys = ("rule", "setting", "param", "value")
+    one = rows.filter(pl.all_horizontal([pl.col(k).eq_missing(first[k]) for k in keys]))
+    return int(one["prompt_groups"].sum())
+
+
+def length_label(low: int) -> str:
+    """'[4, 8)' for the --by length bucket of sequences with 4..7 loss tokens."""
+    return f"[{int(low)}, {2 * int(low)})"
+
+
+def group_label(by: str | None, v) -> str:
+    """A --by group's value as text: its bucket for q_bucket and length, else the value."""
+    if by == "q_bucket":
+        return q_bucket_label(v)
+    if by == "length":
+        return length_label(v)
+    return str(v)
 
 
 def q_bucket_label(low: float) -> str:
