@@ -856,6 +856,15 @@ def _explode(spec: _Spec, rec: pl.DataFrame, file_step: int | None, drops: _Drop
     if bad.height:
         rec = rec.filter(~(checks["missing"] | checks["unequal"]))
     if spec is NEMO and "input_lengths" in rec.columns:
+        neg = rec.filter(pl.col("input_lengths") < 0)
+        for row in neg.select("_line", "input_lengths").iter_rows():
+            drops.bad(
+                f"line {row[0]}",
+                "negative input_lengths",
+                f"input_lengths {row[1]} is negative (a sample's length is at least 0)",
+            )
+        if neg.height:
+            rec = rec.filter(~(pl.col("input_lengths") < 0).fill_null(False))
         over = rec.filter(pl.col("input_lengths") > pl.col(ref).list.len())
         for row in over.select("_line", "input_lengths", n=pl.col(ref).list.len()).iter_rows():
             drops.bad(

@@ -141,6 +141,16 @@ PrecisionOpt = Annotated[
         "frameworks run on the GPU (its NaNs and roundings included; metrics stay float64).",
     ),
 ]
+IoTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--io-timeout",
+        min=0,
+        metavar="SECONDS",
+        help="Object stores (s3://, gs:// ...): seconds to wait for a connection or an answer "
+        "before failing (0: no limit).",
+    ),
+]
 UnstableOpt = Annotated[
     bool,
     typer.Option(
@@ -158,6 +168,7 @@ def _options(
     batch_rows: int,
     fmt: str | None = None,
     include_unstable: bool = False,
+    io_timeout: float = 30.0,
 ):
     from .io import ReadOptions, parse_mapping
 
@@ -168,6 +179,7 @@ def _options(
         batch_rows=batch_rows,
         format=fmt,
         include_unstable=include_unstable,
+        io_timeout=io_timeout or None,
     )
 
 
@@ -283,6 +295,12 @@ def _run(fn: Callable[[], None]) -> None:
     except ReplayError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (output.terminate_as_interrupt)
+        from .output import Terminated
+
+        term = isinstance(exc, Terminated)
+        err.print("terminated" if term else "interrupted", highlight=False)
+        raise typer.Exit(143 if term else 130) from None
 
 
 def _command(ctx: typer.Context) -> str:
@@ -424,6 +442,7 @@ def inspect(
     json_: JsonOpt = False,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
 ) -> None:
     """What a log holds, and how far trainer and inference disagree on it.
 
@@ -436,7 +455,7 @@ def inspect(
         from .summary import inspect_log
 
         with _progress("inspect") as cb:
-            opts = _options(map_, probs, True, batch_rows, fmt, include_unstable)
+            opts = _options(map_, probs, True, batch_rows, fmt, include_unstable, io_timeout)
             s = inspect_log(sources, opts, progress=cb)
         # a prime-rl log carries the run's own decisions: replay them (one more read)
         agree = prime_check(sources, opts) if s.format.startswith("prime-rl") else None
@@ -538,6 +557,7 @@ def check(
     json_: JsonOpt = False,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
 ) -> None:
     """A CI gate: exit 0 when every limit holds, 3 when one is exceeded.
 
@@ -567,7 +587,7 @@ def check(
             masked_limit(sp, fracs[i] if len(fracs) > 1 else fracs[0]) for i, sp in enumerate(specs)
         ]
         with _progress("check") as cb:
-            opts = _options(map_, probs, drop, batch_rows, fmt, include_unstable)
+            opts = _options(map_, probs, drop, batch_rows, fmt, include_unstable, io_timeout)
             res = run_check(sources, limits, per_step=per_step, options=opts, progress=cb)
         if json_:
             from .output import to_json
@@ -688,6 +708,7 @@ def sweep(
     json_: JsonOpt = False,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
     precision: PrecisionOpt = "float64",
     engine: Annotated[
         str,
@@ -723,7 +744,7 @@ def sweep(
             from .output import check_target
 
             check_target(output, force)
-        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         with _progress("sweep") as cb:
             res = run_sweep(
                 sources,
@@ -975,6 +996,7 @@ def choose(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
     precision: PrecisionOpt = "float64",
     json_: JsonOpt = False,
 ) -> None:
@@ -997,7 +1019,7 @@ def choose(
 
             check_target(emit)  # before any pass over the log
         cfg, rules = _config_rules(from_config, framework, rule)
-        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         with _progress("choose") as cb:
             rows = run_choose(
                 sources,
@@ -1086,6 +1108,7 @@ def compare(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
     precision: PrecisionOpt = "float64",
     json_: JsonOpt = False,
 ) -> None:
@@ -1101,7 +1124,7 @@ def compare(
 
         if len(rule) != 2:
             raise UsageError(f"compare needs exactly two --rule options, got {len(rule)}.")
-        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         with _progress("compare") as cb:
             res = run_compare(
                 sources, rule[0], rule[1], budget, examples, opts, cb, precision=precision
@@ -1206,6 +1229,7 @@ def drift(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
     json_: JsonOpt = False,
 ) -> None:
     """Per-step mismatch and masked fractions; flags the steps where the run drifted.
@@ -1218,7 +1242,7 @@ def drift(
     def body():
         from .analysis import drift as run_drift
 
-        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         with _progress("drift") as cb:
             res = run_drift(sources, rule or None, factor, baseline_steps, min_run, opts, cb)
         if json_:
@@ -1349,6 +1373,7 @@ def plot(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
     log_format: Annotated[str | None, typer.Option("--log-format", hidden=True)] = None,
 ) -> None:
     """The four figures of a log, as PNG, SVG or PDF files.
@@ -1368,7 +1393,7 @@ def plot(
                 f"the image format is --image-format {fmt}."
             )
         log = fmt or log_format  # --log-format: the old name of --format here
-        opts = _options(map_, probs, drop_invalid, batch_rows, log, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, log, include_unstable, io_timeout)
         with _progress("plot") as cb:
             paths = run_plot(
                 sources, output, rule or None, image_format, target_fraction, force, opts, cb
@@ -1437,6 +1462,7 @@ def report(
     batch_rows: BatchOpt = 1_000_000,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
     precision: PrecisionOpt = "float64",
     precision_threshold: Annotated[
         float,
@@ -1469,7 +1495,7 @@ def report(
 
             check_tb()
         _, settings = _config_rules(from_config, framework, rule)
-        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         command = _command(ctx)
         keep: dict = {}
         with _progress("report") as cb:
@@ -1581,13 +1607,11 @@ def simulate(
             cfg.validate()
         except ValueError as exc:
             raise UsageError(f"simulate: {exc}.") from None
-        if output.exists():
-            if not force:
-                raise UsageError(f"-o {output}: the file exists. Pass --force to overwrite it.")
-            output.unlink()
+        if output.exists() and not force:  # checked again when the file is published
+            raise UsageError(f"-o {output}: the file exists. Pass --force to overwrite it.")
         output.parent.mkdir(parents=True, exist_ok=True)
         with _progress("simulate", unit="steps") as cb:
-            summary = run_sim(cfg, output, progress=cb)
+            summary = run_sim(cfg, output, progress=cb, force=force)
         err.print(
             f"wrote {output}: {summary.get('tokens', 0):,} tokens, "
             f"{summary.get('tokens_per_second', 0):,.0f} tokens/s",
@@ -1654,6 +1678,7 @@ def convert(
     json_: JsonOpt = False,
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
+    io_timeout: IoTimeoutOpt = 30.0,
 ) -> None:
     """Any supported log to the canonical token table: convert once, replay fast after.
 
@@ -1666,7 +1691,7 @@ def convert(
     def body():
         from .convert import convert as run_convert
 
-        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable)
+        opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         with _progress("convert") as cb:
             s = run_convert(
                 sources,
@@ -1711,7 +1736,14 @@ def _root(
 
 
 def main() -> None:
-    app(prog_name="mismatch-replay")  # also under `python -m mismatch_replay`
+    from .output import exit_process, terminate_as_interrupt
+
+    terminate_as_interrupt()  # SIGTERM unwinds like Ctrl-C: temporaries and m2po spills removed
+    try:
+        app(prog_name="mismatch-replay")  # also under `python -m mismatch_replay`
+    except SystemExit as exc:
+        exit_process(exc.code)  # os._exit where an object-store request is still stuck
+    exit_process(0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,18 +18,19 @@ and `--drop-invalid` accounting), streamed into a pyarrow writer:
 
 The output holds the loss tokens only (rows with `loss_mask` false are dropped on the way, so
 the `loss_mask` column is left out), with every canonical column the source delivers, in
-canonical order. It is written to a temporary file (or directory) beside the target and renamed
-into place at the end: an interrupted or failed conversion leaves nothing behind, and an
-existing target is replaced only with `force` (a directory only if it holds nothing but a
-partitioned table, so `--force` can never delete unrelated files).
+canonical order. It is written to a temporary file (or directory) beside the target, hidden
+from every reader, and published at the end by `output.atomic_write`: an interrupted or failed
+conversion leaves nothing behind (SIGKILL: a hidden temporary that readers skip and the next
+write into that directory removes), and an existing target, or one that appears while the
+conversion runs (a second `convert` to the same path), is replaced only with `force` (a
+directory only if it holds nothing but a partitioned table, so `--force` can never delete
+unrelated files).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -40,7 +41,7 @@ import pyarrow.parquet as pq
 
 from . import io
 from .errors import DataError, UsageError
-from .output import normal_mode
+from .output import atomic_write, output_error
 
 PARTITIONS = ("step",)
 ROW_GROUP_ROWS = 1_000_000
@@ -51,6 +52,10 @@ MAX_OPEN_PARTITIONS = 8
 def check_output(out: str | Path, partition_by: str | None, force: bool) -> Path:
     """Refuse a bad or existing target (unless force) before anything is read."""
     p = Path(out)
+    try:
+        p.exists()
+    except OSError as exc:  # a name too long, ...
+        raise output_error(exc, p) from None
     if partition_by is not None and partition_by not in PARTITIONS:
         raise UsageError(
             f"--partition-by {partition_by}: convert partitions by {', '.join(PARTITIONS)}."
@@ -100,11 +105,13 @@ def _canonical_batches(
     """Loss-token batches in canonical column order, one schema for all."""
     total = sum(plan.rows)
     schema: dict[str, pl.DataType] | None = None
+    dups = io.DuplicateCheck()
     for _, df in io.iter_batches(plan, None, report):
         if progress is not None:
             progress(report.rows, max(total, report.rows))
         if df.height == 0:
             continue
+        dups.add(df)
         cols = [c for c in io.CANONICAL if c in df.columns and c != "loss_mask"]
         df = df.select(cols)
         if schema is None:
@@ -118,6 +125,10 @@ def _canonical_batches(
                     "files in separate calls."
                 ) from exc
         yield df
+    note = dups.warning(plan.files)  # copied as they are: the user should know
+    if note is not None:
+        report.warnings.append(note)
+        warnings.warn(note, io.IngestWarning, stacklevel=2)
 
 
 def _no_tokens(plan: io.Plan, report: io.ReadReport) -> DataError:
@@ -226,32 +237,22 @@ def convert(
                 columns.extend(df.columns)
             yield df
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     groups = None
-    if partition_by is None:
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        tmp = Path(name)
-        try:
+
+    def write(tmp: Path) -> None:
+        nonlocal groups
+        if partition_by is None:
             groups = _write_file(counted(), tmp, row_group_rows)
-            if report.loss_rows == 0:
-                raise _no_tokens(plan, report)
-            normal_mode(tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        try:
+        else:
             _write_partitioned(counted(), tmp, partition_by, row_group_rows)
-            if report.loss_rows == 0:
-                raise _no_tokens(plan, report)
-            normal_mode(tmp)
-            _replace_dir(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if report.loss_rows == 0:
+            raise _no_tokens(plan, report)
+        if force and partition_by is not None and target.is_dir():
+            check_output(target, partition_by, force)  # still only a partitioned table?
+
+    # a temporary name the readers skip, then an exclusive publish (unless force): a target
+    # that appears meanwhile (a second convert) is never replaced
+    atomic_write(target, write, force=force, directory=partition_by is not None)
     seconds = time.perf_counter() - t0
     return {
         "output": str(target),
@@ -275,19 +276,3 @@ def convert(
         },
         "warnings": list(report.warnings),
     }
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Move a finished directory into place; an old one (force) is removed only after."""
-    if not target.exists():
-        os.replace(tmp, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    os.rmdir(old)
-    os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        os.replace(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -64,6 +64,7 @@ import contextlib
 import math
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -83,6 +84,7 @@ from .rules import (
     Rule,
     SeqStats,
     TokenBatch,
+    check_grid_size,
     parse_grid,
     parse_rule,
     round_to,
@@ -107,7 +109,8 @@ def scatter_edges(log: bool) -> np.ndarray:
 def _scatter_index(x: np.ndarray, log: bool) -> np.ndarray:
     lo = SCATTER_LOG10_MIN if log else 0.0
     width = ((0.0 if log else 1.0) - lo) / SCATTER_BINS
-    i = np.floor((x - lo) / width).astype(np.int64)
+    hi = 0.0 if log else 1.0
+    i = np.floor((np.clip(x, lo, hi) - lo) / width).astype(np.int64)  # no overflow warning
     return np.clip(i, 0, SCATTER_BINS - 1)
 
 
@@ -176,6 +179,9 @@ def plan_jobs(
     its default grid (rules=[]: no rule, metrics only). `sweeps` maps `param` or
     `rule.param` to a GRID (text or array).
     """
+    for k, v in (sweeps or {}).items():
+        if not isinstance(v, str):
+            check_grid_size(v, f"{k} ({np.size(v):,} values)")
     grids = {
         k: (parse_grid(v) if isinstance(v, str) else np.unique(np.asarray(v, float)))
         for k, v in (sweeps or {}).items()
@@ -530,9 +536,6 @@ class _BigStep:
                     os.remove(p)
 
 
-import threading as _threading  # noqa: E402 -- the store's lock (kept beside the store)
-
-
 class M2POStore:
     """m2po's input: l^2, |dp|, group and sequence of every loss token, kept per step.
 
@@ -576,7 +579,7 @@ class M2POStore:
         self.tokens = 0
         self.spilled_tokens = 0
         self._dir: _SpillDir | None = None
-        self._lock = _threading.Lock()
+        self._lock = threading.Lock()
         self._on_disk: dict[int, int] = {}  # step -> tokens on disk
         self._absent: set[str] = set()  # columns never given (all zero): not stored
 
@@ -1302,9 +1305,11 @@ class Tally:
             if rule.level == "step":
                 if not m2po_done:
                     ts = tb.at(self.precision)  # l^2 in the replay's arithmetic
+                    with np.errstate(over="ignore"):  # inf for absurd l: masked first
+                        x2 = ts.l * ts.l
                     self.m2po.add(
                         df["step"].to_numpy(),
-                        ts.l * ts.l,
+                        x2,
                         tb.abs_dp,
                         g if self.by is not None else None,
                         seq[0] if seq is not None else None,

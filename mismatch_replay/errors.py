@@ -24,3 +24,9 @@ class UsageError(ReplayError):
     """The request is malformed (bad rule SPEC, bad grid, output exists without --force, ...)."""
 
     exit_code = 2
+
+
+class OutputError(ReplayError):
+    """An output could not be written (a full disk, an I/O error); nothing was left behind."""
+
+    exit_code = 1

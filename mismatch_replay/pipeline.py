@@ -3,8 +3,11 @@
 Design
 ------
 `plot`, `report` and `demo` are compositions: figure data (analysis.figure_data, three
-passes), the decisions (analysis.decisions), the inspect summary, then drawing (plots) and
-page assembly (report). They live here rather than in the CLI so that a notebook gets the
+passes), the decisions, the inspect summary, then drawing (plots) and page assembly
+(report). `report` takes figure data and decisions from `analysis.report_data`, which shares
+the passes (six in all with the inspect summary; choose's refinement and bootstrap ride on
+one of them), writes `sweep.csv` beside `index.html`, and drives one progress bar through
+every pass (`Stages`). They live here rather than in the CLI so that a notebook gets the
 same result with one call, and the CLI stays a thin formatter.
 
 Existing outputs are never overwritten without `force`: every check happens before the
@@ -23,6 +26,8 @@ from .output import ensure_dir, exists
 
 FIGURES = ("scatter", "masked_fraction", "steps", "where_masked")
 SAMPLE = "sample_drift.parquet"
+SWEEP_CSV = "sweep.csv"  # the report's sweep table, beside index.html
+REPORT_FILES = ("index.html", SWEEP_CSV)
 
 
 def sample_path() -> Path:
@@ -86,29 +91,36 @@ def report(
     from . import engine
     from . import report as page
     from .decision import decision_html
+    from .output import write_table
     from .summary import inspect_log
 
     outdir = Path(outdir)
     if precision is not None:
         engine.check_precision(precision)
-    _refuse_existing(outdir, ["index.html", *[f"{n}.png" for n in FIGURES]], force)
-    summary = inspect_log(sources, options, progress=progress)
-    data = analysis.figure_data(
-        sources, settings, options=options, progress=progress, precision=precision
+    _refuse_existing(outdir, [*REPORT_FILES, *[f"{n}.png" for n in FIGURES]], force)
+    # inspect, report_data's 5 passes, the float32 check's 2, and drawing the figures
+    passes = 7 + (2 if precision == "float32" else 0)
+    bar = Stages(progress, passes)
+    summary = inspect_log(sources, options, progress=bar)
+    data, dec = analysis.report_data(
+        sources,
+        settings,
+        target_fraction,
+        bootstrap=bootstrap,
+        options=options,
+        progress=bar,
+        precision=precision,
     )
-    with engine.use_precision(precision):
-        dec = analysis.decisions(
-            sources, target_fraction, bootstrap=bootstrap, options=options, progress=progress
-        )
     sections = [("Decision", decision_html(dec))]
     if precision == "float32":
         check = analysis.precision_check(
-            sources, settings, precision_threshold, options=options, progress=progress
+            sources, settings, precision_threshold, options=options, progress=bar
         )
         sections.append(page.precision_section(check))
     if keep is not None:
         keep.update(data=data, decisions=dec, summary=summary)
     ensure_dir(outdir)
+    write_table(data.sweep, outdir / SWEEP_CSV, force=force)
     return page.write_report(
         data,
         outdir,
@@ -117,7 +129,44 @@ def report(
         force=force,
         target_fraction=target_fraction,
         sections=sections,
+        choices=dec["choose"],
+        progress=bar.last_stage,
     )
+
+
+class Stages:
+    """One progress bar over the several passes of a job: pass k's `(done, total)` is
+    reported as `((k * total + done) / passes, total)`, so the line fills once, left to
+    right, through every pass, and its count reads in rows of the log (the rate: the whole
+    job's). A pass starts when the count falls back; `passes` is the number expected (a job
+    that needs more stretches the bar as it goes)."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, passes: int):
+        self.progress = progress
+        self.passes = max(1, passes)
+        self.k = 0
+        self.last = 0
+        self.total = 0
+
+    def _report(self, done: float) -> None:
+        self.progress(min(int(done), self.total), self.total)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        if done < self.last:
+            self.k += 1
+        self.last = done
+        self.total = max(self.total, total, 1)
+        self.passes = max(self.passes, self.k + 2)  # the last stage is still to come
+        self._report((self.k * self.total + done) / self.passes)
+
+    def last_stage(self, done: int, total: int) -> None:
+        """The last stage (drawing the figures), `done` of `total` parts."""
+        if self.progress is None or not self.total:
+            return
+        start = (self.k + 1) / self.passes
+        self._report(self.total * (start + (1 - start) * done / max(total, 1)))
 
 
 def demo(
@@ -126,8 +175,7 @@ def demo(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Path]:
     """inspect + sweep + figures + report on the bundled sample, into outdir."""
-    from .engine import sweep
-    from .output import atomic_write, to_json, write_table
+    from .output import atomic_write, to_json
     from .summary import inspect_log
 
     outdir = Path(outdir)
@@ -140,8 +188,6 @@ def demo(
     inspect_json = atomic_write(
         outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
     )
-    res = sweep(src, progress=progress)
-    sweep_csv = write_table(res.table, outdir / "sweep.csv", force=force)
     index = report(
         src,
         outdir,
@@ -149,7 +195,7 @@ def demo(
         force=force,
         progress=progress,
     )
-    out = {"inspect": inspect_json, "sweep": sweep_csv, "report": index}
+    out = {"inspect": inspect_json, "sweep": outdir / SWEEP_CSV, "report": index}
     out |= {n: outdir / f"{n}.png" for n in FIGURES}
     return out
 

@@ -759,6 +759,12 @@ def masked_fraction(
     return fig
 
 
+def _framework_text(presets: str) -> str:
+    """A preset marker's label: its frameworks ('default' for the rule's own default)."""
+    names = [n.strip() for n in presets.split(",") if n.strip()]
+    return ", ".join(names[:2]) + (" …" if len(names) > 2 else "")
+
+
 def _draw_family(
     ax: Axes,
     fam: Family,
@@ -774,6 +780,7 @@ def _draw_family(
     floor = min(0.5 / ln["tokens"].max() for ln in lines)
     floored = False
     drawn: dict[tuple[bytes, bytes], tuple[str, int]] = {}  # identical curves: label, count
+    n_marks = 0
     for ln in lines:
         rule, param = ln["rule"], ln["param"]
         y = np.maximum(ln["y"], 0.5 / ln["tokens"])
@@ -788,19 +795,21 @@ def _draw_family(
         if ln["kind"] == "weight":
             label += ", truncated"
         # A curve equal to one already drawn (token-mis = icepop, cispo's = icepop's tokens)
-        # is drawn thinner on top, so both colours show, and the legend says so.
+        # is not drawn again (it would hide under the first): its line keeps its data but
+        # no ink, and its legend entry says whose curve it is.
         key = (ln["x"].tobytes(), y.tobytes())
         first, dup = drawn.get(key, (short, 0))
         drawn[key] = (first, dup + 1)
-        lw = 1.6 * 0.55**dup
         if dup:
             label += f" = {first}"
         gid = f"sweep|{rule}|{ln['setting']}|{param}"
         color = rule_color(rule)
-        if ln["x"].size == 1:
+        if dup:
+            ax.plot(ln["x"], y, ls="none", color=color, label=label, gid=gid)
+        elif ln["x"].size == 1:
             ax.plot(ln["x"], y, ls="none", marker="o", ms=5, color=color, label=label, gid=gid)
         else:
-            ax.plot(ln["x"], y, ls=style, lw=lw, color=color, label=label, gid=gid, zorder=2 + dup)
+            ax.plot(ln["x"], y, ls=style, lw=1.6, color=color, label=label, gid=gid, zorder=2)
         if points is not None and points.height:
             mine = points.filter(
                 (pl.col("rule") == rule)
@@ -822,6 +831,18 @@ def _draw_family(
                     gid=f"preset|{rule}|{ln['setting']}|{param}|{_g(p['value'])}|{p['presets']}",
                     label="_nolegend_",
                 )
+                if not dup:  # the framework(s) whose preset this is, beside the marker
+                    n_marks += 1  # alternate above / below: neighbours' labels do not collide
+                    ax.annotate(
+                        _framework_text(p["presets"]),
+                        (p["value"], yv),
+                        xytext=(5, 5) if n_marks % 2 else (5, -11),
+                        textcoords="offset points",
+                        fontsize=_NOTE - 1,
+                        color=color,
+                        zorder=6,
+                        gid=f"preset-label|{rule}|{ln['setting']}|{param}|{_g(p['value'])}",
+                    )
     if floored:
         ax.axhline(floor, color="0.55", lw=0.8, ls=":", gid="floor", label="_nolegend_")
     if target is not None:
@@ -942,13 +963,16 @@ def steps(data: FigureData, ax: Sequence[Axes] | None = None) -> Figure:
         floor = min(floor, float((0.5 / st).min()) if st.size else floor)
     if floored:
         bottom.axhline(floor, color="0.55", lw=0.8, ls=":", gid="floor", label="_nolegend_")
-        bottom.text(
-            0.01,
-            0.02,
-            "0 masked: drawn at 0.5 / tokens of the step (dotted)",
+        bottom.text(  # beside the axes, under the legend: never on the data
+            1.02,
+            0.0,
+            "0 masked: drawn at\n0.5 / tokens of the step\n(dotted line)",
             transform=bottom.transAxes,
             fontsize=_NOTE,
             color="0.35",
+            va="bottom",
+            ha="left",
+            gid="zero-note",
         )
     bottom.set_yscale("log")
     bottom.set_ylabel("fraction of the step's\ntokens masked", fontsize=_LABEL)

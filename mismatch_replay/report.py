@@ -50,6 +50,8 @@ h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ddd; padding-
 table { border-collapse: collapse; font-size: 0.86em; margin: 0.6em 0 1em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; }
+div.curve { display: inline-block; vertical-align: top; margin-right: 1.5em; }
+div.curve h3 { font-size: 0.95em; margin-bottom: 0.2em; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr:nth-child(even) td { background: #fafafa; }
 figure { margin: 1em 0 2em; }
@@ -203,6 +205,55 @@ def _settings_html(data: FigureData) -> str:
         "share of |p−q| mass masked",
     ]
     return _table(headers, rows, numeric=(2, 3, 4, 6))
+
+
+def _choices_html(choices: Sequence[dict], target_fraction: float | None) -> str:
+    """What `choose` chose (the Decision section's thresholds), then per rule the exact
+    masked fraction at the default grid values around the chosen one."""
+    if not choices:
+        return '<p class="note">No threshold was chosen.</p>'
+    rows = []
+    for c in choices:
+        ci = "—"
+        if c.get("ci_low") is not None:  # enough digits to tell the two ends apart
+            d = next((d for d in range(4, 9) if _num(c["ci_low"], d) != _num(c["ci_high"], d)), 4)
+            ci = f"{_num(c['ci_low'], d)} – {_num(c['ci_high'], d)}"
+        status = c["status"] + (f" ({c['note']})" if c.get("note") else "")
+        rows.append(
+            [
+                c["spec"],
+                f"{c['param']}={_num(c['value'])}",
+                ci,
+                _num(c["masked_tokens"]),
+                _pct(c["masked_fraction"]),
+                status,
+            ]
+        )
+    headers = ["setting", "chosen", "95% bootstrap interval", "masked tokens", "masked", "status"]
+    out = _table(headers, rows, numeric=(3, 4))
+    curves = [c for c in choices if c.get("curve")]
+    if curves:
+        out += (
+            '<p class="note">Masked fraction against the threshold around each choice: the '
+            "default grid's values nearest the chosen one and the chosen value (bold), exact "
+            "counts on these tokens.</p>"
+        )
+    for c in curves:
+        label = f"{plots.display_name(c['rule'])}: {c['param']}" + (
+            f" ({c['setting'].replace(',', ', ')})" if c["setting"] else ""
+        )
+        head = "".join(f"<th>{_e(h)}</th>" for h in (c["param"], "masked tokens", "masked"))
+        body = []
+        for pt in c["curve"]:
+            cells = [_num(pt["value"]), _num(pt["masked_tokens"]), _pct(pt["masked_fraction"])]
+            tds = "".join(f'<td class="num">{_e(x)}</td>' for x in cells)
+            style = ' style="font-weight:bold"' if pt["chosen"] else ""
+            body.append(f"<tr{style}>{tds}</tr>")
+        out += (
+            f'<div class="curve"><h3>{_e(label)}</h3><table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table></div>"
+        )
+    return out
 
 
 def _spec_of(rule: str, setting: str, param: str, value: float) -> str | None:
@@ -362,9 +413,12 @@ def render_html(
     target_fraction: float | None = None,
     sections: Sequence[tuple[str, str]] = (),
     date: str | None = None,
+    choices: Sequence[dict] | None = None,
 ) -> str:
     """The page as a string. `images`: figure name -> PNG bytes (embedded as data URIs);
-    `sections`: extra (title, trusted HTML) sections placed after the summary."""
+    `sections`: extra (title, trusted HTML) sections placed after the summary; `choices`:
+    `analysis.choose` rows (with `curve=True`), listed under "Chosen settings" (the plotted
+    settings then follow under their own title)."""
     date = date or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "<!DOCTYPE html>",
@@ -387,6 +441,12 @@ def render_html(
         parts.append(
             f'<p class="note">Target masked fraction: {_e(_pct(target_fraction))} '
             "(dashed line in the masked-fraction figure).</p>"
+        )
+    if choices is not None:
+        parts.append(_choices_html(choices, target_fraction))
+        parts.append("<h2>Plotted settings</h2>")
+        parts.append(
+            '<p class="note">The settings the figures draw (presets), over the whole log.</p>'
         )
     parts.append(_settings_html(data))
     for name in plots.FIGURES:
@@ -425,6 +485,8 @@ def write_report(
     target_fraction: float | None = None,
     sections: Sequence[tuple[str, str]] = (),
     dpi: int = 150,
+    choices: Sequence[dict] | None = None,
+    progress=None,
 ) -> Path:
     """Write outdir/index.html and the four figure PNGs next to it; return the page's path.
 
@@ -432,7 +494,7 @@ def write_report(
     `summary`: an inspect summary (`Summary.to_dict()`), optional. `sections`: extra
     (title, HTML) sections, e.g. a "Decision"; their HTML is trusted, their titles escaped.
     `dpi`: of the PNGs (150: ~1 MB for the page). Refuses to overwrite index.html or a figure
-    unless `force`.
+    unless `force`. `choices`: see `render_html`; `progress(done, total)`: per figure drawn.
     """
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
@@ -440,8 +502,9 @@ def write_report(
     index = outdir / INDEX
     if index.exists() and not force:
         raise UsageError(f"{index}: the file exists; pass --force to overwrite it.")
+    extra = {"progress": progress} if progress is not None else {}
     paths = plots.render_all(
-        data, outdir, "png", target_fraction=target_fraction, force=force, dpi=dpi
+        data, outdir, "png", target_fraction=target_fraction, force=force, dpi=dpi, **extra
     )
     images = {name: p.read_bytes() for name, p in paths.items()}
     page = render_html(
@@ -451,6 +514,7 @@ def write_report(
         summary=summary,
         target_fraction=target_fraction,
         sections=sections,
+        choices=choices,
     )
     _atomic_text(index, page, force)
     return index

@@ -200,12 +200,14 @@ class TokenBatch:
 
     @cached_property
     def k2(self) -> np.ndarray:
-        return 0.5 * self.l * self.l
+        with np.errstate(over="ignore"):  # |l| > 1.3e154 (absurd logs): inf, masked, no warning
+            return 0.5 * self.l * self.l
 
     @cached_property
     def k3(self) -> np.ndarray:
         """r - 1 - l, computed as expm1(l) - l (exact near 0; inf only if l > 709)."""
-        return self.X.expm1(self.l) - self.l
+        with np.errstate(over="ignore", invalid="ignore"):  # float32: inf - inf on absurd l
+            return self.X.expm1(self.l) - self.l
 
     @cached_property
     def k2_verl(self) -> np.ndarray:
@@ -1429,8 +1431,26 @@ def spec_warnings(specs) -> list[str]:
     return out
 
 
+MAX_GRID = 100_000  # values in one grid: each costs memory in every group of its job
+
+
+def _grid_too_large(text: str, n: int) -> UsageError:
+    return UsageError(
+        f"bad GRID '{text}': {n:,} values; a grid holds at most {MAX_GRID:,} (each value costs "
+        "memory in every group of every job: 1e7 values took 20 GiB). Counts are exact at every "
+        "grid point whatever the spacing: narrow start:stop to the region that matters, or let "
+        "choose refine it."
+    )
+
+
+def check_grid_size(values, text: str) -> None:
+    n = int(np.size(values))
+    if n > MAX_GRID:
+        raise _grid_too_large(text, n)
+
+
 def parse_grid(text: str) -> np.ndarray:
-    """`a,b,c` or `start:stop:num[:log]` -> float64 values (sorted, unique)."""
+    """`a,b,c` or `start:stop:num[:log]` -> float64 values (sorted, unique), at most MAX_GRID."""
     t = text.strip()
     if ":" in t:
         parts = t.split(":")
@@ -1444,6 +1464,8 @@ def parse_grid(text: str) -> np.ndarray:
             raise UsageError(f"bad GRID '{text}': num '{parts[2]}' is not an integer.") from None
         if num < 1:
             raise UsageError(f"bad GRID '{text}': num must be at least 1.")
+        if num > MAX_GRID:
+            raise _grid_too_large(text, num)
         if len(parts) == 4 and parts[3] == "log":
             if start <= 0 or stop <= 0:
                 raise UsageError(f"bad GRID '{text}': a log grid needs start and stop > 0.")
@@ -1451,7 +1473,10 @@ def parse_grid(text: str) -> np.ndarray:
         else:
             vals = np.linspace(start, stop, num)
     else:
-        vals = np.array([_number(x, f"GRID '{text}'") for x in t.split(",") if x.strip()])
+        items = [x for x in t.split(",") if x.strip()]
+        if len(items) > MAX_GRID:
+            raise _grid_too_large(text, len(items))
+        vals = np.array([_number(x, f"GRID '{text}'") for x in items])
         if vals.size == 0:
             raise UsageError(f"bad GRID '{text}': no values.")
     return np.unique(vals.astype(np.float64))

@@ -86,9 +86,10 @@ masked as many tokens by IcePop as by IPO at eps 0.3, mostly rare tokens.
 Speed and determinism. 6.3k-7.1k loss tokens/s on one CPU thread including the ~5 s
 pretraining and the Parquet write (29-33 s for a 204,800-token default run on one AVX2
 EPYC core; 3.0-3.2 MB of zstd Parquet). ``threads`` (default 1) is part of the numerics:
-the same seed and config give a bit-for-bit identical file for the same thread count
-and torch build (deterministic algorithms, explicit generators, fixed Parquet writer
-settings, no timestamps); 1 and 2 threads give different files. One thread also
+the same seed and config give a bit-for-bit identical file for the same thread count,
+torch build and CPU kernels (deterministic algorithms, explicit generators, fixed Parquet
+writer settings, no timestamps); 1 and 2 threads give different files, and so do AVX2 and
+AVX-512 machines (even with ATEN_CPU_CAPABILITY=avx2). One thread also
 avoids OpenMP oversubscription, which made 2-thread runs 4x slower on a busy 2-core
 machine.
 """
@@ -96,8 +97,6 @@ machine.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -585,7 +584,7 @@ def _token_lp(logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- output
 
 
-def _write(data: dict, path: Path) -> None:
+def _write(data: dict, path: Path, force: bool = False) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -604,10 +603,12 @@ def _write(data: dict, path: Path) -> None:
     }
     arrays = [pa.array(data[c].tolist() if c == "env" else data[c], types[c]) for c in COLUMNS]
     table = pa.Table.from_arrays(arrays, schema=pa.schema([(c, types[c]) for c in COLUMNS]))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(
+    from .output import atomic_write
+
+    # a hidden temporary, then an exclusive publish: never over a file that appeared meanwhile
+    atomic_write(
+        path,
+        lambda tmp: pq.write_table(
             table,
             tmp,
             compression="zstd",
@@ -615,21 +616,9 @@ def _write(data: dict, path: Path) -> None:
             use_dictionary=["env"],
             row_group_size=1 << 20,
             write_statistics=True,
-        )
-        from .output import normal_mode
-
-        normal_mode(tmp)
-        try:
-            os.link(tmp, path)  # atomic, and fails instead of overwriting
-        except FileExistsError:
-            raise FileExistsError(f"{path} already exists; refusing to overwrite it") from None
-        except OSError:  # filesystem without hard links
-            if path.exists():
-                raise FileExistsError(f"{path} already exists; refusing to overwrite it") from None
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        ),
+        force,
+    )
 
 
 def simulate(
@@ -637,15 +626,17 @@ def simulate(
     path: str | Path,
     *,
     progress: Callable[[int, int], None] | None = None,
+    force: bool = False,
 ) -> dict:
     """Run the simulated async-RL job described by `config` and write its token log
-    to `path` (Parquet, canonical columns). Refuses to overwrite an existing file.
+    to `path` (Parquet, canonical columns). Refuses to overwrite an existing file (or one
+    that appears while it runs) unless `force`.
     `progress(done_steps, total_steps)` is called after every logged step.
     Returns a summary dict (tokens, sequences, steps, seconds, tokens_per_second,
     k3_per_step, reward_per_step, staleness_per_step, ...)."""
     config.validate()
     path = Path(path)
-    if path.exists():
+    if path.exists() and not force:
         raise FileExistsError(f"{path} already exists; refusing to overwrite it")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"directory {path.parent} does not exist")
@@ -659,7 +650,7 @@ def simulate(
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-    _write(data, path)
+    _write(data, path, force)
     seconds = time.perf_counter() - t0
     summary["path"] = str(path)
     summary["seconds"] = seconds

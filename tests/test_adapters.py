@@ -1005,3 +1005,23 @@ def test_inspect_prints_the_prime_rl_agreement(sources):
     assert d == json.loads(json.dumps(adapters.prime_check([sources["prime-rl"]]).to_dict()))
     res = CliRunner().invoke(app, ["inspect", str(sources["nemo-rl"]), "--json"])
     assert "prime_rl_check" not in json.loads(res.stdout)
+
+
+def test_nemo_rl_negative_input_lengths_are_a_bad_record(golden, tmp_path):
+    """A NeMo-RL line (written as write_nemo lays it out) whose input_lengths is -5."""
+    src = write_nemo(golden, tmp_path / "logs")
+    f = src / "train_data_step0.jsonl"
+    lines = f.read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["input_lengths"] = [-5]
+    lines[1] = json.dumps(rec)
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"train_data_step0.jsonl, line 2: input_lengths -5 is neg"):
+        io.read_table([src])
+    report = io.ReadReport()
+    t = io.read_table([src], io.ReadOptions(drop_invalid=True), report=report)
+    dropped = {c: n for (_, c), n in report.dropped.items()}
+    assert dropped == {"records: negative input_lengths": 1}
+    want = golden.filter(pl.col("loss_mask")).height
+    gone = golden.filter((pl.col("step") == 0) & pl.col("loss_mask")).group_by("sample_id")
+    assert t.height < want and t.height >= want - max(g.height for _, g in gone)

@@ -255,7 +255,7 @@ def test_s3_uris_open_through_the_filesystem_pyarrow_returns(tmp_path, monkeypat
     root = _store(tmp_path)
     seen = []
 
-    def from_uri(uri):
+    def from_uri(uri, timeout=None):
         seen.append(uri)
         assert uri.startswith("s3://")
         return pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()), uri[5:]

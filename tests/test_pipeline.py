@@ -62,3 +62,48 @@ def test_demo_runs_on_the_bundled_sample(tmp_path, monkeypatch):
     assert "Open" in r.stdout and "index.html" in r.stdout
     r = runner.invoke(app, ["demo"])
     assert r.exit_code == 2 and "--force" in r.stderr
+
+
+def test_report_writes_sweep_csv_and_lists_what_choose_chose(tmp_path):
+    import polars as pl
+
+    from mismatch_replay import analysis, engine, pipeline
+
+    out = tmp_path / "rep"
+    seen: list[tuple[int, int]] = []
+    keep: dict = {}
+    pipeline.report(
+        [GOLDEN],
+        out,
+        command="c",
+        bootstrap=20,
+        progress=lambda d, t: seen.append((d, t)),
+        keep=keep,
+    )
+    # sweep.csv beside index.html: the full default sweep, exactly engine.sweep's rows
+    table = pl.read_csv(out / "sweep.csv")
+    ref = engine.sweep([GOLDEN]).table
+    assert table.height == ref.height
+    assert table["masked_tokens"].to_list() == ref["masked_tokens"].to_list()
+    # one progress bar through every pass: never falls back, ends full
+    counts = [d for d, _ in seen]
+    assert counts == sorted(counts) and seen[-1][0] == seen[-1][1]
+    # "Chosen settings" lists choose's thresholds, and a table around each
+    page = (out / "index.html").read_text()
+    chosen = page[page.index("<h2>Chosen settings</h2>") : page.index("<h2>Plotted settings</h2>")]
+    rows = keep["decisions"]["choose"]
+    assert rows and all(r["spec"] in chosen for r in rows)
+    assert chosen.count('<div class="curve">') == sum(1 for r in rows if r.get("curve"))
+    # the shared passes give what the separate calls give
+    alone = analysis.choose([GOLDEN], 0.0025, list(analysis.DECISION_RULES), bootstrap=20)
+    assert [(r["value"], r["masked_tokens"], r["ci_low"], r["ci_high"]) for r in alone] == [
+        (r["value"], r["masked_tokens"], r["ci_low"], r["ci_high"]) for r in rows
+    ]
+    assert keep["decisions"]["drift"] == analysis.drift([GOLDEN])
+    budget = analysis.compare([GOLDEN], "ipo", "icepop@prime-rl", budget=0.0025, examples=5)
+    mine = keep["decisions"]["compare_budget"]
+    assert {c: mine["cells"][c]["tokens"] for c in analysis.CELLS} == {
+        c: budget["cells"][c]["tokens"] for c in analysis.CELLS
+    }
+    r = runner.invoke(app, ["report", GOLDEN, "-o", str(out)])
+    assert r.exit_code == 2 and "--force" in r.stderr

@@ -153,3 +153,27 @@ def test_report_force_and_figures_guard(data, tmp_path, monkeypatch):
     assert not (other / "index.html").exists()
     with pytest.raises(UsageError, match="a file"):
         report.write_report(data, tmp_path / "index.html", command="four", force=True)
+
+
+def test_chosen_settings_list_what_choose_chose(data):
+    rows = analysis.choose(
+        [str(GOLDEN)], 0.01, ["ipo", "icepop@prime-rl"], bootstrap=20, curve=True
+    )
+    page = report.render_html(data, {}, command="c", choices=rows, date="d")
+    chosen = page[page.index("<h2>Chosen settings</h2>") : page.index("<h2>Plotted settings</h2>")]
+    for r in rows:
+        assert html_escape(r["spec"]) in chosen
+        assert f"{r['param']}={report._num(r['value'])}" in chosen
+        for pt in r["curve"]:  # the masked-fraction-vs-threshold table around the choice
+            assert f'<td class="num">{report._num(pt["masked_tokens"])}</td>' in chosen
+    assert chosen.count('<div class="curve">') == len(rows)
+    assert chosen.count('style="font-weight:bold"') == len(rows)  # the chosen value, per rule
+    # without choices the page is as before: the plotted settings under "Chosen settings"
+    plain = report.render_html(data, {}, command="c", date="d")
+    assert "Plotted settings" not in plain and "sequences with a masked token" in plain
+
+
+def html_escape(s: str) -> str:
+    import html
+
+    return html.escape(s, quote=True)

@@ -200,3 +200,40 @@ def test_progress_and_validation(tmp_path):
         with pytest.raises(ValueError):
             simulate(SimConfig(**(SMALL | bad)), tmp_path / "bad.parquet")
     assert not (tmp_path / "bad.parquet").exists()
+
+
+# ----------------------------------------------------------------------------- the shipped sample
+
+SAMPLE_RULES = ("ipo:eps=0.1", "ipo:eps=0.3", "icepop:low=0.2,high=5")
+
+
+def _sample_phases() -> tuple[dict, dict]:
+    """The bundled sample measured with the tool itself (analysis.drift, the numbers `drift`
+    prints), per phase as data/README.md defines them: early = the first quarter of the steps
+    (0-9), late = the last quarter (30-39). Fractions and k3 are token-weighted."""
+    from mismatch_replay import analysis
+    from mismatch_replay.pipeline import sample_path
+
+    d = analysis.drift([sample_path()], rules=list(SAMPLE_RULES))
+    steps = d["steps"]
+    q = len(steps) // 4
+    phases = {"early": steps[:q], "late": steps[-q:], "all": steps}
+    out = {}
+    for name, rows in phases.items():
+        tok = sum(r["tokens"] for r in rows)
+        out[name] = {"tokens": tok, "k3": sum(r["kl_k3"] * r["tokens"] for r in rows) / tok}
+        for spec in SAMPLE_RULES:
+            out[name][spec] = round(sum(r[f"masked:{spec}"] * r["tokens"] for r in rows))
+    return out, {v["rule"]: v["verdict"] for v in d["rules"]}
+
+
+def test_bundled_sample_tells_the_drift_story():
+    """The mismatch climbs while the IcePop band masks nothing (data/README.md's figures)."""
+    ph, verdict = _sample_phases()
+    assert ph["all"]["tokens"] == 204_800 and ph["early"]["tokens"] == 51_200
+    assert ph["late"]["k3"] >= 3.5 * ph["early"]["k3"]  # 5.68e-3 vs 1.41e-3: x4.0
+    for name in ("early", "late", "all"):  # IcePop [0.2, 5] under 0.05% in every phase
+        assert ph[name]["icepop:low=0.2,high=5"] < 5e-4 * ph[name]["tokens"], name
+    assert verdict["icepop:low=0.2,high=5"].startswith("flat while the mismatch rose")
+    assert ph["late"]["ipo:eps=0.1"] > 2 * ph["early"]["ipo:eps=0.1"]  # 761 vs 279 tokens
+    assert verdict["ipo:eps=0.1"] == "rose with the mismatch"
