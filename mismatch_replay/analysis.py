@@ -472,8 +472,11 @@ def choose(
         tally = engine.replay(plan, jobs=jobs, progress=progress, final=True)
         index = list(range(len(jobs)))
     else:  # the caller's replay: find each job in it
-        labels = {(j.label, tuple(j.values)): i for i, j in enumerate(tally.jobs)}
-        index = [labels[(j.label, tuple(j.values))] for j in jobs]
+        keys = {_job_key(j): i for i, j in enumerate(tally.jobs)}
+        missing = [j.label for j in jobs if _job_key(j) not in keys]
+        if missing:
+            raise ValueError(f"choose(tally=...): the replay lacks the job(s) {missing}")
+        index = [keys[_job_key(j)] for j in jobs]
     searches = []
     for job, ji in zip(jobs, index, strict=True):
         values, hits, tokens = tables.job_counts(tally, ji)
@@ -518,7 +521,7 @@ def choose(
             if k is None or bp is None or bp.reps[k] is None:
                 boot_note = _no_boot_note_job(s.job)
             else:
-                lo, hi, boot_note = _ci_from(bjobs[k].values, bp.reps[k], bp.tokens[k], target)
+                lo, hi, boot_note = _ci_from(bjobs[k], bp.reps[k], bp.tokens[k], target)
             note = "; ".join(x for x in (note, boot_note) if x)
         row = _choice_row(s.job, best, frac, target, lo, hi, status, note, s.tokens, s.passes)
         row["masked_tokens"] = round(frac * s.tokens)
@@ -534,35 +537,72 @@ def _no_boot_note_job(job) -> str:
     return "no bootstrap"
 
 
-def _ci_from(values, reps, tokens, target, level: float = 0.95):
-    """Interval of the value whose replicate masked fraction is closest to the target."""
+def _crossings(job: engine.Job, f: np.ndarray, target: float) -> np.ndarray:
+    """Per replicate (rows of f, (B, K) masked fractions at job.values), the value where the
+    fraction crosses `target`: between the two grid values around it, interpolated
+    (geometrically on a positive grid), so that the interval is not limited to the grid's
+    resolution; the grid's end where it does not cross."""
+    v = job.values[job.order]  # threshold ascending: the fraction does not increase
+    ft = f[:, job.order]
+    k = (ft > target).sum(axis=1)  # grid points still above the target
+    inner = (k > 0) & (k < v.size)
+    out = np.where(k == 0, v[0], v[-1]).astype(float)
+    r = np.flatnonzero(inner)
+    a, b = k[r] - 1, k[r]
+    fa, fb = ft[r, a], ft[r, b]
+    w = np.where(fa > fb, (fa - target) / np.where(fa > fb, fa - fb, 1.0), 1.0)
+    va, vb = v[a], v[b]
+    geo = (va > 0) & (vb > 0)
+    lin = va + w * (vb - va)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log = np.exp(np.log(np.where(geo, va, 1.0)) * (1 - w) + np.log(np.where(geo, vb, 1.0)) * w)
+    out[r] = np.where(geo, log, lin)
+    return out
+
+
+def _ci_from(job, reps, tokens, target, level: float = 0.95):
+    """Interval of the value where the replicate masked fraction crosses the target."""
     ok = tokens > 0
     if ok.sum() < 2:
         return None, None, "too few units to resample"
     f = reps[ok] / tokens[ok, None]
-    lo, hi = _interval(values[np.argmin(np.abs(f - target), axis=1)], level)
+    lo, hi = _interval(_crossings(job, f, target), level)
     note = ""
-    if lo <= values[0] or hi >= values[-1]:
+    if lo <= job.values[0] or hi >= job.values[-1]:
         note = "bootstrap interval reaches the searched range's edge"
     return lo, hi, note
 
 
-CURVE_POINTS = 9  # the report's table: masked fraction at grid values around the choice
+CURVE_POINTS = 11  # the report's table: masked fraction at grid values around the choice
 
 
 def _curve(s: _Search, best: float, n: int = CURVE_POINTS) -> list[dict]:
-    """Exact masked fractions around the chosen value: the default grid's `n` - 1 values
-    nearest it (half each side, in masking order) and the chosen value itself."""
+    """Exact masked fractions around the chosen value, in masking order: the chosen value,
+    the default grid's two values on each side, and between the chosen value and its two
+    grid neighbours the evaluated (refinement) values nearest the quarter points, so that
+    the table shows how the fraction moves near the choice even where the grid is coarse.
+    At most `n` rows."""
     rule, param = s.job.rule, s.job.param
     known = dict(zip(s.values.tolist(), s.hits.tolist(), strict=True))
-    grid = [v for v in s.job.values.tolist() if v in known]
-    thr = np.array([rule.threshold(param, v) for v in grid])
-    order = np.argsort(thr, kind="stable")
-    grid = [grid[k] for k in order]
-    k = int(np.searchsorted(thr[order], rule.threshold(param, best)))
-    half = (n - 1) // 2
-    lo = max(0, min(k - half, len(grid) - (n - 1)))
-    pts = sorted({*grid[lo : lo + n - 1], best}, key=lambda v: rule.threshold(param, v))
+
+    def t(v):
+        return rule.threshold(param, v)
+
+    grid = sorted((v for v in s.job.values.tolist() if v in known), key=t)
+    tg = np.array([t(v) for v in grid])
+    k = int(np.searchsorted(tg, t(best)))
+    pick = {best, *grid[max(0, k - 2) : k + 2]}
+    ev = np.array(sorted(known, key=t))
+    te = np.array([t(v) for v in ev])
+    for nb in (grid[k - 1] if k > 0 else None, grid[k] if k < len(grid) else None):
+        if nb is None or nb == best:
+            continue
+        for w in (0.25, 0.5, 0.75):
+            goal = t(best) + w * (t(nb) - t(best))
+            pick.add(ev[int(np.argmin(np.abs(te - goal)))].item())
+    pts = sorted(pick, key=t)
+    c = pts.index(best)
+    lo = max(0, min(c - n // 2, len(pts) - n))
     return [
         {
             "value": float(v),
@@ -570,7 +610,7 @@ def _curve(s: _Search, best: float, n: int = CURVE_POINTS) -> list[dict]:
             "masked_fraction": known[v] / s.tokens,
             "chosen": bool(v == best),
         }
-        for v in pts
+        for v in pts[lo : lo + n]
     ]
 
 

@@ -265,7 +265,7 @@ def test_choose_curve_is_exact_around_the_choice(tmp_path):
     df = pl.read_parquet(f)
     p, q = np.exp(df["trainer_logprob"].to_numpy()), np.exp(df["inference_logprob"].to_numpy())
     pts = row["curve"]
-    assert len(pts) == analysis.CURVE_POINTS
+    assert 5 <= len(pts) <= analysis.CURVE_POINTS
     assert [pt["chosen"] for pt in pts].count(True) == 1
     assert [pt["value"] for pt in pts] == sorted(pt["value"] for pt in pts)  # eps: masking order
     for pt in pts:

@@ -1,0 +1,133 @@
+"""Decisions benchmark: what `choose`, `compare --budget` and `report` cost against one sweep.
+
+Usage:
+    python benchmarks/decisions_bench.py --tokens 2e6            # quick
+    python benchmarks/decisions_bench.py                         # 20M tokens (0.3 GB, made once)
+    python benchmarks/decisions_bench.py --tokens 50e6 --repeat 1 --json out.json
+
+Every workload runs in a fresh process (`python decisions_bench.py --run NAME FILE`), as the
+command line would, and the repeats are interleaved (floor, sweep, choose, ..., then again), so
+that a burst of load on this shared machine hits every workload alike; the best of --repeat is
+kept. Only the ratios measured in one run mean anything (benchmarks/README.md):
+
+  floor     polars reading the two log-prob columns and summing them (the scan floor)
+  sweep     `engine.sweep(file)`: every rule over its default grid, metrics, scatter
+  choose    `analysis.choose(file, 0.0025)`: every mask rule the log supports, each threshold
+            parameter refined to the target, with the 200-replicate bootstrap interval
+            (the CLI's `choose -t 0.0025`)
+  compare   `analysis.compare(file, "ipo", "icepop@prime-rl", budget=0.0025)` (`compare
+            --budget`)
+  report    `pipeline.report(file, DIR)`: inspect, sweep, figures, choose, compare, drift, the
+            page (the CLI's `report`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "_data"
+WORKLOADS = ("floor", "sweep", "choose", "compare", "report")
+
+
+def _child(name: str, path: str) -> None:
+    import resource
+
+    t = time.perf_counter()
+    c = time.process_time()
+    if name == "floor":
+        import polars as pl
+
+        pl.scan_parquet(path).select(
+            pl.col("trainer_logprob").sum(), pl.col("inference_logprob").sum()
+        ).collect()
+    elif name == "sweep":
+        from mismatch_replay import engine
+
+        engine.sweep([path])
+    elif name == "choose":
+        from mismatch_replay import analysis
+
+        analysis.choose([path], 0.0025)
+    elif name == "compare":
+        from mismatch_replay import analysis
+
+        analysis.compare([path], "ipo", "icepop@prime-rl", budget=0.0025)
+    elif name == "report":
+        from mismatch_replay import pipeline
+
+        with tempfile.TemporaryDirectory() as d:
+            pipeline.report([path], Path(d) / "r", command="bench")
+    else:
+        raise SystemExit(f"unknown workload {name}")
+    out = {
+        "seconds": time.perf_counter() - t,
+        "cpu_seconds": time.process_time() - c,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+    print(json.dumps(out))
+
+
+def _spawn(name: str, path: Path) -> dict:
+    cmd = [sys.executable, __file__, "--run", name, str(path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
+    if res.returncode:
+        raise SystemExit(f"{name} failed:\n{res.stderr}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=float, default=20e6)
+    ap.add_argument("--repeat", type=int, default=2, help="interleaved rounds; best is kept")
+    ap.add_argument("--only", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--run", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.run:
+        _child(*a.run)
+        return
+    n = int(a.tokens)
+    path = DATA / f"log_{n}.parquet"
+    if not path.exists():
+        sys.path.insert(0, str(HERE))
+        from sweep_bench import make_log
+
+        DATA.mkdir(exist_ok=True)
+        make_log(path, n)
+    _spawn("floor", path)  # the file cache warm for everyone
+    small = DATA / "log_2000000.parquet"
+    _spawn("sweep", small if small.exists() else path)  # numba's cache loaded once
+    names = [w for w in WORKLOADS if w in a.only]
+    runs: dict[str, list[dict]] = {w: [] for w in names}
+    load = os.getloadavg()[0]
+    for _ in range(a.repeat):
+        for w in names:
+            runs[w].append(_spawn(w, path))
+    best = {w: min(r, key=lambda d: d["seconds"]) for w, r in runs.items()}
+    floor = best.get("floor", {}).get("seconds")
+    sweep = best.get("sweep", {}).get("seconds")
+    print(f"tokens {n:,}; {os.cpu_count()} cores, load average {load:.1f} at start")
+    print(f"{'workload':10s} {'wall s':>8s} {'cpu s':>8s} {'x sweep':>8s} {'x floor':>8s} RSS")
+    for w, r in best.items():
+        xs = f"{r['seconds'] / sweep:8.2f}" if sweep else f"{'':8s}"
+        xf = f"{r['seconds'] / floor:8.1f}" if floor else f"{'':8s}"
+        print(
+            f"{w:10s} {r['seconds']:8.2f} {r['cpu_seconds']:8.2f} {xs} {xf} "
+            f"{r['peak_rss_gib']:.2f} G"
+        )
+    if a.json:
+        a.json.write_text(
+            json.dumps({"tokens": n, "load": load, "runs": runs, "best": best}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
