@@ -151,6 +151,45 @@ IoTimeoutOpt = Annotated[
         "before failing (0: no limit).",
     ),
 ]
+FromConfigOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--from-config",
+        metavar="FILE",
+        help="Take the rules and their thresholds from the trainer's own config (repeatable; "
+        "later files win): prime-rl TOML, verl / AReaL / NeMo-RL / SkyRL YAML or Hydra "
+        "overrides, TRL GRPOConfig YAML or flags, slime / OpenRLHF launch scripts.",
+    ),
+]
+FrameworkOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--framework",
+        metavar="NAME",
+        help="The --from-config file's framework (default: detected from its keys): "
+        "prime-rl, verl, areal, trl, nemo-rl, slime, skyrl, openrlhf.",
+    ),
+]
+
+
+def _config_rules(paths: list[Path] | None, framework: str | None, rules: list[str] | None):
+    """--from-config: (the TrainerConfig or None, --rule SPECs + the config's SPECs); the
+    config's notes go to stderr."""
+    if not paths:
+        if framework:
+            from .errors import UsageError
+
+            raise UsageError("--framework names the --from-config file's framework; give one.")
+        return None, rules
+    from .integrations.config_in import read_config
+
+    cfg = read_config(paths, framework, require=True)
+    err.print(f"[dim]{cfg.framework} config: {escape(', '.join(cfg.specs()))}[/]", highlight=False)
+    for n in cfg.all_notes():
+        err.print(f"[dim]  {escape(n)}[/]", highlight=False)
+    return cfg, [*(rules or []), *cfg.specs()]
+
+
 UnstableOpt = Annotated[
     bool,
     typer.Option(
@@ -709,6 +748,8 @@ def sweep(
     fmt: FormatOpt = None,
     include_unstable: UnstableOpt = False,
     io_timeout: IoTimeoutOpt = 30.0,
+    from_config: FromConfigOpt = None,
+    framework: FrameworkOpt = None,
     precision: PrecisionOpt = "float64",
     engine: Annotated[
         str,
@@ -744,11 +785,12 @@ def sweep(
             from .output import check_target
 
             check_target(output, force)
+        _, rules = _config_rules(from_config, framework, rule)
         opts = _options(map_, probs, drop_invalid, batch_rows, fmt, include_unstable, io_timeout)
         with _progress("sweep") as cb:
             res = run_sweep(
                 sources,
-                rules=rule or None,
+                rules=rules or None,
                 sweeps=parse_sweeps(sweep_ or []),
                 by=by,
                 options=opts,
@@ -906,43 +948,6 @@ RuleOpt = Annotated[
         "--rule", "-r", metavar="SPEC", help="Rule SPEC (repeatable), e.g. ipo, icepop@prime-rl."
     ),
 ]
-FromConfigOpt = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--from-config",
-        metavar="FILE",
-        help="Take the rules and their thresholds from the trainer's own config (repeatable; "
-        "later files win): prime-rl TOML, verl / AReaL / NeMo-RL / SkyRL YAML or Hydra "
-        "overrides, TRL GRPOConfig YAML or flags, slime / OpenRLHF launch scripts.",
-    ),
-]
-FrameworkOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--framework",
-        metavar="NAME",
-        help="The --from-config file's framework (default: detected from its keys): "
-        "prime-rl, verl, areal, trl, nemo-rl, slime, skyrl, openrlhf.",
-    ),
-]
-
-
-def _config_rules(paths: list[Path] | None, framework: str | None, rules: list[str] | None):
-    """--from-config: (the TrainerConfig or None, --rule SPECs + the config's SPECs); the
-    config's notes go to stderr."""
-    if not paths:
-        if framework:
-            from .errors import UsageError
-
-            raise UsageError("--framework names the --from-config file's framework; give one.")
-        return None, rules
-    from .integrations.config_in import read_config
-
-    cfg = read_config(paths, framework, require=True)
-    err.print(f"[dim]{cfg.framework} config: {escape(', '.join(cfg.specs()))}[/]", highlight=False)
-    for n in cfg.all_notes():
-        err.print(f"[dim]  {escape(n)}[/]", highlight=False)
-    return cfg, [*(rules or []), *cfg.specs()]
 
 
 @command

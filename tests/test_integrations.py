@@ -621,3 +621,22 @@ def test_cli_report_wandb_and_tensorboard(tmp_path, monkeypatch):
 def test_out_of_domain_settings_are_refused_before_emit():
     with pytest.raises(UsageError, match=r"icepop's high must be >= 1, got 0.9"):
         config_out.emit("areal", ["icepop:low=0.5,high=0.9"])
+
+
+def test_sweep_from_config_replays_the_configs_rules():
+    from typer.testing import CliRunner
+
+    from mismatch_replay import engine
+    from mismatch_replay.cli import app
+
+    golden = GOLDEN
+    res = CliRunner().invoke(
+        app, ["sweep", str(golden), "--from-config", str(CONFIGS / "verl.yaml"), "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    specs = config_in.read_config(CONFIGS / "verl.yaml").specs()
+    assert [r["spec"] for r in rows] == specs
+    want = engine.sweep([golden], rules=specs).table
+    assert [r["masked_tokens"] for r in rows] == want["masked_tokens"].to_list()
+    assert "verl config:" in res.stderr
