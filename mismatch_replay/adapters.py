@@ -1593,42 +1593,35 @@ def load_annotations(stream: Path, drop: bool = False) -> _Annotations:
     seen = _SkipCounts()
     for path in files:
         drops = _Drops(path, drop, seen)
-        for block, first_line in _blocks(path, 16 << 20):
-            for n, raw in zip(_record_lines(block, first_line), _lines(block), strict=True):
-                try:
-                    upd = json.loads(raw)
-                except (ValueError, UnicodeDecodeError) as exc:
-                    drops.bad(f"line {n}", "not valid JSON", f"not valid JSON ({exc})")
+        for n, upd in _json_lines(path, drops):
+            tid = upd.get("trace_id") if isinstance(upd, dict) else None
+            if not isinstance(tid, str) or not isinstance(upd.get("branches", []), list):
+                drops.bad(
+                    f"line {n}",
+                    "not a trace update",
+                    "not a prime-rl trace update (expected keys version, trace_id, info, branches)",
+                )
+                continue
+            if isinstance(upd.get("info"), dict) and upd["info"]:
+                info[tid] = _deep_merge(info.get(tid, {}), upd["info"])
+            for br in upd.get("branches") or []:
+                idx = br.get("index") if isinstance(br, dict) else None
+                if not isinstance(idx, int) or isinstance(idx, bool):
+                    drops.bad(f"line {n}", "not a trace update", "a branch without an index")
                     continue
-                tid = upd.get("trace_id") if isinstance(upd, dict) else None
-                if not isinstance(tid, str) or not isinstance(upd.get("branches", []), list):
-                    drops.bad(
-                        f"line {n}",
-                        "not a trace update",
-                        "not a prime-rl trace update (expected keys version, trace_id, info, "
-                        "branches)",
-                    )
-                    continue
-                if isinstance(upd.get("info"), dict) and upd["info"]:
-                    info[tid] = _deep_merge(info.get(tid, {}), upd["info"])
-                for br in upd.get("branches") or []:
-                    idx = br.get("index") if isinstance(br, dict) else None
-                    if not isinstance(idx, int) or isinstance(idx, bool):
-                        drops.bad(f"line {n}", "not a trace update", "a branch without an index")
+                slot = branches.setdefault(tid, {}).setdefault(idx, {})
+                for name in _STREAMS:
+                    v = br.get(name)
+                    if not v:
                         continue
-                    slot = branches.setdefault(tid, {}).setdefault(idx, {})
-                    for name in _STREAMS:
-                        v = br.get(name)
-                        if not v:
-                            continue
-                        try:
-                            slot[name] = _stream_values(name, v)
-                        except (TypeError, ValueError, pl.exceptions.PolarsError) as exc:
-                            drops.bad(
-                                f"line {n}",
-                                "values of the wrong type",
-                                f"branch {idx}, key '{name}': {str(exc)[:120]}",
-                            )
+                    try:
+                        slot[name] = _stream_values(name, v)
+                    except (TypeError, ValueError, pl.exceptions.PolarsError) as exc:
+                        drops.bad(
+                            f"line {n}",
+                            "values of the wrong type",
+                            f"branch {idx}, key '{name}': {str(exc)[:120]}",
+                        )
     tokens = sum(
         len(s["trainer_logprobs"])
         for b in branches.values()
@@ -1643,6 +1636,17 @@ def load_annotations(stream: Path, drop: bool = False) -> _Annotations:
 
 def _lines(block: bytes) -> list[bytes]:
     return [r for r in block.split(b"\n") if r.strip()]
+
+
+def _json_lines(path: Path, drops: _Drops) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) of every non-empty line of a trace file, read in 16 MB
+    blocks; a line that is not JSON is a bad record (`drops`)."""
+    for block, first_line in _blocks(path, 16 << 20):
+        for n, raw in zip(_record_lines(block, first_line), _lines(block), strict=True):
+            try:
+                yield n, json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                drops.bad(f"line {n}", "not valid JSON", f"not valid JSON ({exc})")
 
 
 def _leaf_paths(nodes: list) -> list[list[int]]:
@@ -1842,61 +1846,55 @@ def read_traces(
     sample = 0
     buf: dict[str, list[np.ndarray]] = {}
     nbuf = 0
-    for block, first_line in _blocks(path, 16 << 20):
-        for n, raw in zip(_record_lines(block, first_line), _lines(block), strict=True):
-            try:
-                obj = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                drops.bad(f"line {n}", "not valid JSON", f"not valid JSON ({exc})")
-                continue
-            pairs = _trace_records(obj)
-            if pairs is None:
-                drops.bad(
-                    f"line {n}",
-                    "not an episode record",
-                    "neither an episode record (key 'traces') nor a trace (key 'nodes')",
-                )
-                continue
-            for episode, trace in pairs:
-                tid = trace.get("id")
-                todo = ann.branches.get(tid) if isinstance(tid, str) else None
-                if not todo:
-                    continue  # never trained on (eval, filtered, still in flight)
-                seen.add(tid)
-                nodes = trace.get("nodes") or []
-                paths = _leaf_paths(nodes)
-                step = _trace_step(episode, ann.info.get(tid, {}))
-                env = _env_name(episode)
-                for b in sorted(todo):
-                    if not 0 <= b < len(paths):
-                        drops.bad(
-                            f"line {n}",
-                            "branch not in the trace",
-                            f"trace {tid}: the annotations name branch {b}, the trace has "
-                            f"{len(paths)} branch(es)",
-                        )
-                        continue
-                    toks = _branch_tokens([nodes[i] for i in paths[b]], todo[b])
-                    if isinstance(toks, str):
-                        drops.bad(
-                            f"line {n}",
-                            "branch and stream disagree",
-                            f"trace {tid}, branch {b}: {toks}",
-                        )
-                        continue
-                    if not checks:
-                        toks.pop("logged_is_masked", None)
-                    size = toks["position"].size
-                    toks["step"] = np.full(size, step, np.int64)
-                    toks["sample_id"] = np.full(size, sample, np.int64)
-                    toks["env"] = np.full(size, env, dtype=object)
-                    sample += 1
-                    for k, v in toks.items():
-                        buf.setdefault(k, []).append(v)
-                    nbuf += size
-                    if nbuf >= batch_rows:
-                        yield _frame(_concat(buf), wanted)
-                        buf, nbuf = {}, 0
+    for n, obj in _json_lines(path, drops):
+        pairs = _trace_records(obj)
+        if pairs is None:
+            drops.bad(
+                f"line {n}",
+                "not an episode record",
+                "neither an episode record (key 'traces') nor a trace (key 'nodes')",
+            )
+            continue
+        for episode, trace in pairs:
+            tid = trace.get("id")
+            todo = ann.branches.get(tid) if isinstance(tid, str) else None
+            if not todo:
+                continue  # never trained on (eval, filtered, still in flight)
+            seen.add(tid)
+            nodes = trace.get("nodes") or []
+            paths = _leaf_paths(nodes)
+            step = _trace_step(episode, ann.info.get(tid, {}))
+            env = _env_name(episode)
+            for b in sorted(todo):
+                if not 0 <= b < len(paths):
+                    drops.bad(
+                        f"line {n}",
+                        "branch not in the trace",
+                        f"trace {tid}: the annotations name branch {b}, the trace has "
+                        f"{len(paths)} branch(es)",
+                    )
+                    continue
+                toks = _branch_tokens([nodes[i] for i in paths[b]], todo[b])
+                if isinstance(toks, str):
+                    drops.bad(
+                        f"line {n}",
+                        "branch and stream disagree",
+                        f"trace {tid}, branch {b}: {toks}",
+                    )
+                    continue
+                if not checks:
+                    toks.pop("logged_is_masked", None)
+                size = toks["position"].size
+                toks["step"] = np.full(size, step, np.int64)
+                toks["sample_id"] = np.full(size, sample, np.int64)
+                toks["env"] = np.full(size, env, dtype=object)
+                sample += 1
+                for k, v in toks.items():
+                    buf.setdefault(k, []).append(v)
+                nbuf += size
+                if nbuf >= batch_rows:
+                    yield _frame(_concat(buf), wanted)
+                    buf, nbuf = {}, 0
     if nbuf:
         yield _frame(_concat(buf), wanted)
     missing = [t for t in ann.branches if t not in seen]
