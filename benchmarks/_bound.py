@@ -4,7 +4,7 @@ Used by sweep_bench.py (`read5` and `bound`). Every output of the default sweep 
 per-token p = e^lp, q = e^lq, |dp|, the clamped ratio, k3 and one clamp's pair of binary KLs
 (kpop, dppo-kl): whatever an engine does with them, it has to read the five columns and
 compute these. `bound` does only that -- the engine's own reader with its read-ahead thread,
-and the kernel's vectorised exp/expm1/log (mismatch_replay._vmath) over each batch, one
+and the kernel's vectorised exp/expm1/log (mismatch_replay.fast.vmath) over each batch, one
 half per core -- and sums them so that nothing is optimised away. No binning, no per-interval
 sums, no sequences, no m2po sort, no table. It is timed after numba has started and the
 kernel is loaded, so it is a bound for a warm process.
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit
 
-from mismatch_replay import engine, io
-from mismatch_replay._vmath import vexp, vexpm1, vlog
+from mismatch_replay import engine, ingest
+from mismatch_replay.fast.vmath import vexp, vexpm1, vlog
 
 FIVE = ["trainer_logprob", "inference_logprob", "step", "sample_id", "advantage"]
 BLOCK = 512
@@ -80,10 +80,10 @@ def run(path: str, compute: bool) -> dict:
     args = _args()
     t = time.perf_counter()
     c = time.process_time()
-    plan = io.plan_sources([path])
+    plan = ingest.plan_sources([path])
     out = np.zeros((2, 7))
     rows = 0
-    for _, df in engine._prefetch(io.iter_batches(plan, FIVE)):
+    for _, df in engine.prefetch(ingest.iter_batches(plan, FIVE)):
         cols = [df[k].to_numpy() for k in FIVE]
         rows += len(cols[0])
         if compute:

@@ -17,7 +17,7 @@ kept. Only the ratios measured in one run mean anything (benchmarks/README.md):
             (the CLI's `choose -t 0.0025`)
   compare   `analysis.compare(file, "ipo", "icepop@prime-rl", budget=0.0025)` (`compare
             --budget`)
-  report    `pipeline.report(file, DIR)`: inspect, sweep, figures, choose, compare, drift, the
+  report    `viz.jobs.report(file, DIR)`: inspect, sweep, figures, choose, compare, drift, the
             page (the CLI's `report`)
 """
 
@@ -61,10 +61,10 @@ def _child(name: str, path: str) -> None:
 
         analysis.compare([path], "ipo", "icepop@prime-rl", budget=0.0025)
     elif name == "report":
-        from mismatch_replay import pipeline
+        from mismatch_replay.viz import jobs
 
         with tempfile.TemporaryDirectory() as d:
-            pipeline.report([path], Path(d) / "r", command="bench")
+            jobs.report([path], Path(d) / "r", command="bench")
     else:
         raise SystemExit(f"unknown workload {name}")
     out = {

@@ -98,13 +98,13 @@ def _child(name: str, path: str, arg: str) -> dict:
         res = engine.sweep([path])
         out["rows"] = res.table.height
     elif name == "inspect":
-        from mismatch_replay.summary import inspect_log
+        from mismatch_replay.ingest.inspect import inspect_log
 
         out["tokens"] = inspect_log([path]).loss_tokens
     elif name == "convert":
         import tempfile
 
-        from mismatch_replay.convert import convert
+        from mismatch_replay.ingest.convert import convert
 
         with tempfile.TemporaryDirectory(dir=DATA) as d:
             out["tokens"] = convert([path], Path(d) / "out.parquet")["tokens"]

@@ -142,17 +142,19 @@ def _ours(path: str, mode: str = "full") -> dict:
             for p in c.params
             if p.threshold
         }
-        needed = engine.columns_needed
+        from mismatch_replay.engine import stream
+
+        needed = stream.columns_needed  # what replay() reads
 
         def no_sequences(jobs, by, available):
             return [c for c in needed(jobs, by, available) if c != "sample_id"]
 
-        engine.columns_needed = no_sequences
+        stream.columns_needed = no_sequences
     if mode == "warm":  # numba loaded and the kernel's caches read first, as in a notebook
         small = DATA / "log_2000000.parquet"
         engine.sweep([str(small) if small.exists() else path])
     if mode == "ray":
-        from mismatch_replay import distributed
+        from mismatch_replay.engine import ray as distributed
 
         distributed.init(num_cpus=os.cpu_count())
         kw["engine"] = "ray"

@@ -1,12 +1,52 @@
 """mismatch-replay: replay logged trainer/inference token probabilities through every
 masking rule (IPO, IcePop, KPop, DPPO, TIS, sequence rules, ...) across threshold sweeps.
 
-The library is layered (DESIGN.md): `io` reads logs into the canonical token table, `rules`
-is the catalogue, `engine` streams batches into an additive Tally, `tables`/`metrics` turn it
-into tables, `analysis` answers questions over it, `plots` draws, `cli` formats.
-Heavy modules are imported on first use so that `mismatch-replay --help` starts fast.
+The public API is the names below; each is imported on first use, so that `import
+mismatch_replay` (and `mismatch-replay --help`) stays fast:
+
+    sweep, replay      engine: every rule x threshold in one streaming pass -> SweepResult / Tally
+    choose, compare, drift, check      analysis: questions over one replay, dataclass results
+    inspect, convert   ingest: what a log holds; any supported log to the canonical Parquet
+    TokenWriter        capture: what a training loop calls to write the canonical table
+    Rule, Param, parse_rule            rules: the catalogue, and what a new rule subclasses
+
+The packages follow the layers of DESIGN.md, each depending only on those below it:
+cli -> viz / analysis -> engine -> fast -> rules / metrics -> ingest (tests/test_architecture.py
+checks that no import goes the other way and that no module reads another's private names).
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_API = {
+    "sweep": ("engine", "sweep"),
+    "replay": ("engine", "replay"),
+    "choose": ("analysis", "choose"),
+    "compare": ("analysis", "compare"),
+    "drift": ("analysis", "drift"),
+    "check": ("analysis.check", "check"),
+    "inspect": ("ingest.inspect", "inspect_log"),
+    "convert": ("ingest.convert", "convert"),
+    "TokenWriter": ("capture", "TokenWriter"),
+    "Rule": ("rules", "Rule"),
+    "Param": ("rules", "Param"),
+    "parse_rule": ("rules", "parse_rule"),
+}
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        module, attr = _API[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

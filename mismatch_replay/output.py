@@ -415,13 +415,13 @@ atexit.register(remove_scratch)
 
 def exit_process(code: int | None) -> None:
     """End a command-line process with `code`, now. Normally sys.exit; but when an object-store
-    request is still running after a timeout or Ctrl-C (io.stuck_requests), pyarrow's S3
+    request is still running after a timeout or Ctrl-C (ingest.stuck_requests), pyarrow's S3
     finalizer would wait for it (seconds to minutes) at exit, so the streams are flushed,
     scratch directories removed and the process ended with os._exit(code)."""
     import sys
 
-    io = sys.modules.get("mismatch_replay.io")
-    if io is not None and io.stuck_requests():
+    sources = sys.modules.get("mismatch_replay.ingest.sources")
+    if sources is not None and sources.stuck_requests():
         remove_scratch()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

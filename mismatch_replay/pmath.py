@@ -11,11 +11,11 @@ Every derived quantity of the tool (p, q, |dp|, the ratio, k3, exp|l|, the binar
 therefore computed with the functions below. They use only IEEE-754 additions,
 multiplications, one division (log), comparisons and bit operations, each correctly rounded
 on every CPU whatever the SIMD width, so their results are one fixed function of the input.
-The fused kernel (`_vmath`, compiled by numba without floating-point contraction) runs the
+The fused kernel (`fast.vmath`, compiled by numba without floating-point contraction) runs the
 very same operations in the same order, which makes the two engine paths bit-identical per
 token: tests/test_pmath.py checks both against each other and against the C library.
 
-The algorithms (the same as `_vmath`'s; see there for the derivations):
+The algorithms (the same as `fast.vmath`'s; see there for the derivations):
 
 * exp(x) = 2^k exp(r), k = round(x / ln 2) by the 1.5 * 2^52 shifter, r = x - k ln 2 in two
   parts, exp(r) - 1 by its Taylor series to r^12 (Estrin's scheme), 2^k as two normal

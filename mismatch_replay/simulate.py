@@ -37,6 +37,21 @@ How it works
   (Adam, 5-step LR warm-up): REINFORCE on the token mean with group-centred advantages
   (Dr. GRPO: reward minus the group mean, no std division; one update per batch, so
   a PPO clip would only act through the staleness the log is meant to expose).
+  ``freeze_io`` keeps the token and position embeddings, the final norm and the LM head
+  out of the RL optimizer (they keep their pretrained values), as LoRA-style RL does:
+  the update then reaches the logits only through the blocks, and a higher learning rate
+  (drift: 1.2e-3) moves the fork tokens' probabilities by tenths in one step without the
+  rare tokens' ratios following (plausibly because their head rows no longer move;
+  measured: drift's first quarter has no IcePop token).
+* FP8 migration (``migrate_bits``, ``migrate_span``). A rolling move of prompt groups to
+  a second inference engine whose logits are rounded to ``migrate_bits`` mantissa bits
+  (2 = FP8-E5M2) before the fp32 log-softmax: at step t the first
+  round(n_groups * clip((t - a + 1) / (b - a + 1), 0, 1)) groups of the batch run there,
+  a = round(migrate_span[0] * steps), b = round(migrate_span[1] * steps) (defaults
+  0.25, 0.75: steps 10 and 30 of 40). Like a fleet moved to an FP8 engine group by group,
+  it raises the mismatch of every migrated token, but by a bounded amount: rounding a
+  logit z to 2 mantissa bits moves it by at most |z| / 8, so likely tokens' probabilities
+  move a lot (IPO's |p - q|) while few ratios leave IcePop's [0.2, 5].
 * Async pipeline. The trainer keeps a queue of weight snapshots; the sampler's weights
   lag the trainer's by ``staleness`` optimizer steps (``lag="fixed"``, the default) or
   by a per-prompt-group lag drawn uniformly from 0..staleness (``lag="uniform"``, a
@@ -48,16 +63,17 @@ Scenarios (defaults: 40 steps x 128 sequences x 40 response tokens = 204,800 los
 tokens, 7 prompt rows per sequence, lr 3e-4, bf16 sampler)
 * ``healthy``: fixed lag 4.
 * ``stale``: fixed lag 8.
-* ``drift``: the lag grows linearly from 1 to 6 over the run (``staleness`` sets the
-  start, ``staleness_end`` the end; default end = start + 5): a fully async pipeline
-  whose rollouts fall further behind as generation slows (longer responses, a
-  saturated inference fleet), so every step the sampler's policy is further from the
-  trainer's. Because 99.99% of per-token log-ratios stay under ~1.4 nats, the
-  token-mean mismatch KL rises ~10x while almost nothing leaves IcePop's [0.2, 5] band.
-Optional knobs, not used by the scenarios: ``lr_end`` (a linear LR ramp) and
-``logit_bits_end`` (round the sampler's logits to ever fewer mantissa bits, e.g. 7 ->
-2 for bf16 -> FP8-E5M2; measured at lag 4: k3 rose only ~3x over the run, since each
-rounding error is bounded by half a mantissa step).
+* ``drift`` (the bundled sample, data/README.md): a healthy run that drifts. Fixed lag 1,
+  lr 1.2e-3, ``freeze_io`` (RL on the blocks only) and the FP8-E5M2 migration from step
+  10 to step 30. Its first quarter masks what a healthy GLM-4.5-Air run masked (IPO eps
+  0.1 ~1.5%, eps 0.3 ~0.18%, IcePop nothing); the migration then raises the token-mean
+  k3 ~5x while IcePop [0.2, 5] masks at most 0.02% of a step.
+Optional knobs, not used by the scenarios: ``staleness_end`` (a lag growing linearly
+from ``staleness``; the drift scenario's mechanism before issue 19: 1 -> 6 raised k3
+~10x but left IPO eps 0.3 at 0 in the early steps), ``lag="uniform"``, ``lr_end`` (a
+linear LR ramp) and ``logit_bits_end`` (round every group's logits to ever fewer
+mantissa bits, e.g. 7 -> 2 for bf16 -> FP8-E5M2; measured at lag 4: k3 rose only ~3x
+over the run, since each rounding error is bounded by half a mantissa step).
 
 Measured figures (seed 0, default configs, threads=1; numpy on the written file:
 IPO eps masks |p_train - p_infer| > eps, IcePop masks r = p_train/p_infer outside
@@ -65,27 +81,31 @@ IPO eps masks |p_train - p_infer| > eps, IcePop masks r = p_train/p_infer outsid
   scenario (seed)      tokens   k3       IPO 0.1  IPO 0.3  IcePop [0.2, 5]
   healthy (0)          204,800  6.5e-3   2.81%    0.080%   0.0005% (1 token)
   healthy (1)          204,800  6.4e-3   2.66%    0.141%   0.019% (39)
-  drift (0) steps 0-4   25,600  4.6e-4   0.13%    0%       0% (0)
-  drift (0) steps 35-39 25,600  6.2e-3   1.52%    0.008%   0% (0)       k3 x13.5
-  drift (1) steps 0-4   25,600  8.0e-4   0.37%    0%       0% (0)
-  drift (1) steps 35-39 25,600  8.4e-3   2.57%    0.062%   0.016% (4)   k3 x10.5
+  drift (0) steps 0-9   51,200  4.78e-3  1.53%    0.176%   0% (0)
+  drift (0) steps 30-39 51,200  2.50e-2  9.85%    0.547%   0.0195% (10)  k3 x5.2
+  drift (0) all        204,800  1.46e-2  5.64%    0.274%   0.0083% (17)
   stale (0)            204,800  3.6e-2   9.72%    1.75%    0.62% (1,269)
-The per-step k3 is not monotone: drift seed 0 peaks at 7.7e-3 (steps 15-19) and settles
-at 5-6e-3; healthy seed 0 falls from 1.0e-2 (steps 10-19) to 3.6e-3 (steps 30-39) as the
-reward saturates (0.34 -> 0.87) and the fork tokens stop being uncertain.
+The per-step k3 is not monotone: drift seed 0 has a bump at 1.0-1.2e-2 in steps 4-5
+(the end of the LR warm-up), settles at 3-5e-3 in steps
+7-13 and climbs with the migration to 2.2-2.9e-2 from step 25 on (reward 0.35 -> 0.92);
+healthy seed 0 falls from 1.0e-2 (steps 10-19) to 3.6e-3 (steps 30-39) as the reward
+saturates (0.34 -> 0.87) and the fork tokens stop being uncertain.
 
 Calibration target: the public IPO ablation on GLM-4.5-Air (healthy: ~2% of loss tokens
-masked at eps 0.1, ~0.25% at eps 0.3, ~0.003% by IcePop). Reached: eps 0.1 and IcePop
-on target, eps 0.3 2-3x low. The trade-off is structural here: staleness moves the
-fork tokens' logits by a few tenths of a nat with a light tail; the exploratory runs
-whose tail reached 0.25% at eps 0.3 (higher lr, or per-group lags ``lag="uniform"``)
-also pushed IcePop to 0.02-0.05%, 7-15x its target. A 4-expert top-1 MoE (routing flips
+masked at eps 0.1, ~0.25% at eps 0.3, ~0.003% by IcePop). Reached by healthy: eps 0.1
+and IcePop on target, eps 0.3 2-3x low. The trade-off is structural with full-model RL:
+staleness moves the fork tokens' logits by a few tenths of a nat with a light tail; the
+exploratory runs whose tail reached 0.25% at eps 0.3 (higher lr, or per-group lags
+``lag="uniform"``) also pushed IcePop to 0.02-0.05%, 7-15x its target. ``freeze_io``
+breaks it: with the head frozen a 4x higher lr at lag 1 reaches eps 0.3's tail (drift's
+first quarter: 0.176%) with no IcePop token at all. A 4-expert top-1 MoE (routing flips
 under bf16, the GLM-like source of heavy tails) was tried and dropped: at lag 0 it
 masked as many tokens by IcePop as by IPO at eps 0.3, mostly rare tokens.
 
 Speed and determinism. 6.3k-7.1k loss tokens/s on one CPU thread including the ~5 s
 pretraining and the Parquet write (29-33 s for a 204,800-token default run on one AVX2
-EPYC core; 3.0-3.2 MB of zstd Parquet). ``threads`` (default 1) is part of the numerics:
+EPYC core; 3.0-3.2 MB of zstd Parquet; drift, at lag 1: 17-22 s, 9.5k-10.7k tokens/s,
+3.3 MB). ``threads`` (default 1) is part of the numerics:
 the same seed and config give a bit-for-bit identical file for the same thread count,
 torch build and CPU kernels (deterministic algorithms, explicit generators, fixed Parquet
 writer settings, no timestamps); 1 and 2 threads give different files, and so do AVX2 and
@@ -141,12 +161,15 @@ _ENV_PROFILE = {
     "branch": (0.80, 0.16, 0.04),
     "free": (0.68, 0.22, 0.10),
 }
-# scenario -> (staleness at the first step, staleness at the last step, learning rate)
+# scenario -> (staleness at the first step, staleness at the last step, learning rate,
+#              freeze_io, migrate_bits)
 _SCENARIO_DEFAULTS = {
-    "healthy": (4, 4, 3e-4),
-    "stale": (8, 8, 3e-4),
-    "drift": (1, 6, 3e-4),
+    "healthy": (4, 4, 3e-4, False, 0),
+    "stale": (8, 8, 3e-4, False, 0),
+    "drift": (1, 1, 1.2e-3, True, 2),
 }
+# The parameters `freeze_io` keeps out of the RL optimizer (the pretraining still trains them).
+_IO_PARAMS = ("tok", "pos", "lnf_w", "lnf_b", "head_w")
 _LR_WARMUP = 5
 _PRETRAIN_BATCH = 32
 
@@ -158,12 +181,24 @@ class SimConfig:
     scenario: "healthy" | "stale" | "drift" (sets the staleness schedule and lr defaults).
     steps: logged RL steps; batch: sequences per step (a multiple of group_size);
     seq_len: response tokens per sequence; seed: everything (world, init, sampling).
-    staleness: optimizer steps the trainer's weights lead the sampler's (drift: at the
-        first step); None = the scenario's default (healthy 4, stale 8, drift 1).
-    staleness_end: drift only: the lag at the last step (default staleness + 5).
+    staleness: optimizer steps the trainer's weights lead the sampler's (with
+        staleness_end: at the first step); None = the scenario's default (healthy 4,
+        stale 8, drift 1).
+    staleness_end: optional: the lag at the last step, reached linearly (default: staleness,
+        a constant lag).
     lag: "fixed" (every group lags `staleness` steps) or "uniform" (each prompt group's
         lag is drawn from 0..staleness).
-    lr / lr_end: Adam learning rate (default 3e-4) and an optional linear ramp target.
+    lr / lr_end: Adam learning rate (default 3e-4; drift 1.2e-3) and an optional linear
+        ramp target.
+    freeze_io: RL updates only the transformer blocks: the token and position embeddings,
+        the final norm and the LM head stay at their pretrained values (as in LoRA-style
+        RL). None = the scenario's default (drift True, the others False).
+    migrate_bits / migrate_span: a rolling migration of prompt groups to a second
+        inference engine whose logits are rounded to `migrate_bits` mantissa bits (2 =
+        FP8-E5M2). migrate_span = (a, b) as fractions of the run: the share of groups
+        moved grows linearly from the first group at step round(a * steps) to every group
+        at step round(b * steps). migrate_bits None = the scenario's default (drift 2, the
+        others 0); 0 = no migration.
     group_size: responses per prompt (advantages are centred within a group).
     prompt_len: prompt tokens (BOS, env tag, chain); vocab, d_model, n_layers, n_heads:
         the policy's size. infer_dtype: the sampler's precision, "bf16" or "fp16".
@@ -191,20 +226,36 @@ class SimConfig:
     n_heads: int = 4
     infer_dtype: str = "bf16"
     logit_bits_end: int | None = None
+    freeze_io: bool | None = None
+    migrate_bits: int | None = None
+    migrate_span: tuple[float, float] = (0.25, 0.75)
     pretrain_steps: int = 100
     threads: int = 1
 
     def resolved(self) -> dict:
-        """Scenario defaults filled in: staleness at the first/last step and the learning rate."""
-        s0, s1, lr = _SCENARIO_DEFAULTS[self.scenario]
+        """Scenario defaults filled in: staleness at the first/last step, the learning rate,
+        freeze_io, and the migration (first and last step of its ramp, logit bits; bits 0 =
+        none)."""
+        s0, s1, lr, freeze, mbits = _SCENARIO_DEFAULTS[self.scenario]
         if self.staleness is not None:
-            s1 = self.staleness + (s1 - s0)  # drift keeps its +5 ramp; others stay flat
-            s0 = self.staleness
+            s0 = s1 = self.staleness
         if self.staleness_end is not None:
             s1 = self.staleness_end
         lr = self.lr if self.lr is not None else lr
         lr_end = self.lr_end if self.lr_end is not None else lr
-        return {"staleness": s0, "staleness_end": s1, "lr": lr, "lr_end": lr_end}
+        freeze = self.freeze_io if self.freeze_io is not None else freeze
+        mbits = self.migrate_bits if self.migrate_bits is not None else mbits
+        a, b = self.migrate_span
+        return {
+            "staleness": s0,
+            "staleness_end": s1,
+            "lr": lr,
+            "lr_end": lr_end,
+            "freeze_io": freeze,
+            "migrate_bits": mbits,
+            "migrate_start": round(a * self.steps),
+            "migrate_full": round(b * self.steps),
+        }
 
     def validate(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -232,6 +283,14 @@ class SimConfig:
         bits = self.logit_bits_end
         if bits is not None and not 1 <= bits <= _MANTISSA[self.infer_dtype]:
             raise ValueError(f"logit_bits_end must be in 1..{_MANTISSA[self.infer_dtype]}")
+        mb = self.migrate_bits
+        if mb is not None and not 0 <= mb <= _MANTISSA[self.infer_dtype]:
+            raise ValueError(
+                f"migrate_bits must be in 0..{_MANTISSA[self.infer_dtype]} (0 = no migration)"
+            )
+        a, b = self.migrate_span
+        if not 0 <= a <= b <= 1:
+            raise ValueError("migrate_span must be (a, b) with 0 <= a <= b <= 1")
 
 
 # --------------------------------------------------------------------------- model
@@ -431,16 +490,27 @@ def _stacked(snaps: list[dict], which: list[int]) -> dict:
     return {k: torch.stack([snaps[j][k] for j in which]) for k in snaps[0]}
 
 
+def _engine_logits(logits, bits=None, migrated=None, migrate_bits=0):
+    """The engine's logits [G, n, ...]: rounded to `bits` mantissa bits (logit_bits_end),
+    and for the prompt groups in `migrated` (a bool [G]) to `migrate_bits` (the FP8 engine)."""
+    if bits is not None:
+        logits = _round_bits(logits, bits)
+    if migrated is not None and migrated.any():
+        sel = migrated.view((-1,) + (1,) * (logits.dim() - 1))
+        logits = torch.where(sel, _round_bits(logits, migrate_bits), logits)
+    return logits
+
+
 @torch.no_grad()
-def _generate(params, prompts, n_new, cfg, lowp, gen, bits=None):
+def _generate(params, prompts, n_new, cfg, lowp, gen, bits=None, migrated=None, migrate_bits=0):
     """KV-cached sampling with the inference engine's numerics (one weight version
-    per prompt group). Returns the response tokens and the engine's log-probs for
-    prompt tokens 1.. (prefill, like vLLM's prompt_logprobs) and response tokens."""
+    per prompt group; `migrated` groups on the engine with `migrate_bits`-bit logits).
+    Returns the response tokens and the engine's log-probs for prompt tokens 1..
+    (prefill, like vLLM's prompt_logprobs) and response tokens."""
     g, n, _ = prompts.shape
     caches = [{} for _ in range(cfg.n_layers)]
     logits = _forward(params, prompts, cfg.n_layers, cfg.n_heads, lowp, caches)
-    if bits is not None:
-        logits = _round_bits(logits, bits)
+    logits = _engine_logits(logits, bits, migrated, migrate_bits)
     prompt_lp = torch.log_softmax(logits[:, :, :-1], -1).gather(-1, prompts[..., 1:, None])[..., 0]
     last = logits[:, :, -1]
     toks, lps = [], []
@@ -453,9 +523,7 @@ def _generate(params, prompts, n_new, cfg, lowp, gen, bits=None):
         if i + 1 < n_new:
             step_in = nxt.view(g, n, 1)
             last = _forward(params, step_in, cfg.n_layers, cfg.n_heads, lowp, caches, pos)
-            last = last[:, :, -1]
-            if bits is not None:
-                last = _round_bits(last, bits)
+            last = _engine_logits(last[:, :, -1], bits, migrated, migrate_bits)
             pos += 1
     return torch.stack(toks, -1), prompt_lp, torch.stack(lps, -1)
 
@@ -472,14 +540,22 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
     pre_loss = _pretrain(params, world, cfg, gen)
     t_pre = time.perf_counter() - tp
 
-    opt = torch.optim.Adam(params.values(), lr=lr0)
+    rl_params = [v for k, v in params.items() if not (res["freeze_io"] and k in _IO_PARAMS)]
+    opt = torch.optim.Adam(rl_params, lr=lr0)
+    m_bits, m_a, m_b = res["migrate_bits"], res["migrate_start"], res["migrate_full"]
     snaps: list[dict] = []
     lowp_snaps: list[dict] = []
     n_groups = cfg.batch // cfg.group_size
     gs, pl = cfg.group_size, cfg.prompt_len
     n_pred = pl + cfg.seq_len - 1  # predicted positions 1 .. pl + seq_len - 1
     cols: dict[str, list] = {k: [] for k in COLUMNS}
-    per_step: dict[str, list] = {"k3": [], "reward": [], "staleness": [], "mean_lag": []}
+    per_step: dict[str, list] = {
+        "k3": [],
+        "reward": [],
+        "staleness": [],
+        "mean_lag": [],
+        "migrated": [],
+    }
     env_names = np.array(ENVS, dtype=object)
     positions = np.tile(np.arange(1, n_pred + 1, dtype=np.int64), cfg.batch)
     sample_ids = np.repeat(np.arange(cfg.batch, dtype=np.int64), n_pred)
@@ -506,11 +582,23 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         else:
             lags = [eta_eff] * n_groups
         which = [len(snaps) - 1 - lag for lag in lags]
+        migrated = None
+        if m_bits:  # the first groups of the batch run on the migrated engine
+            share = min(1.0, max(0.0, (t - m_a + 1) / (m_b - m_a + 1)))
+            migrated = torch.arange(n_groups) < round(share * n_groups)
 
         env = torch.randint(0, len(ENVS), (n_groups,), generator=gen)
         prompts = world.sequences(env, pl, gen)[:, None, :].expand(n_groups, gs, pl)
         resp, p_lp, r_lp = _generate(
-            _stacked(lowp_snaps, which), prompts, cfg.seq_len, cfg, lowp, gen, bits
+            _stacked(lowp_snaps, which),
+            prompts,
+            cfg.seq_len,
+            cfg,
+            lowp,
+            gen,
+            bits,
+            migrated,
+            m_bits,
         )
         seq = torch.cat([prompts, resp], -1)  # [G, gs, pl + L]
         behaviour = _stacked(snaps, which)
@@ -554,6 +642,7 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         per_step["reward"].append(float(reward.mean()))
         per_step["staleness"].append(eta_eff)
         per_step["mean_lag"].append(float(np.mean(lags)))
+        per_step["migrated"].append(0 if migrated is None else int(migrated.sum()) / n_groups)
         if progress is not None:
             progress(t + 1, cfg.steps)
     data = {k: np.concatenate(v) for k, v in cols.items()}
@@ -567,6 +656,7 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         "reward_per_step": per_step["reward"],
         "staleness_per_step": per_step["staleness"],
         "mean_lag_per_step": per_step["mean_lag"],
+        "migrated_per_step": per_step["migrated"],
         "pretrain_seconds": t_pre,
         "pretrain_loss": pre_loss,
         "pretrain_floor": world.entropy,

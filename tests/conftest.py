@@ -283,10 +283,10 @@ def close(a, b, rel: float = 1e-9, abs_: float = 1e-15) -> bool:
 def kernel_backend(request) -> Iterator[str]:
     """Run a test on each engine backend: the fused numba kernels ("auto", when numba is
     installed) and the plain numpy path. Both must give the same (brute-force) answers."""
-    kernels = pytest.importorskip("mismatch_replay.kernels")
-    if request.param == "auto" and kernels.backend() == "numpy":
+    fast = pytest.importorskip("mismatch_replay.fast")
+    if request.param == "auto" and fast.backend() == "numpy":
         pytest.skip("numba is not installed: 'auto' is the numpy path")
-    with kernels.use_backend(request.param):
+    with fast.use_backend(request.param):
         yield request.param
 
 

@@ -43,9 +43,12 @@ from framework_writers import (
 )
 from typer.testing import CliRunner
 
-from mismatch_replay import adapters, engine, io
+from mismatch_replay import engine, ingest
 from mismatch_replay.cli import app
 from mismatch_replay.errors import DataError, UsageError
+from mismatch_replay.ingest import formats
+from mismatch_replay.ingest.formats import jsonl, prime_rl, skyrl
+from mismatch_replay.ingest.inspect import prime_check
 
 torch = pytest.importorskip("torch")
 
@@ -150,7 +153,7 @@ def test_every_format_replays_to_the_golden_counts(sources, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_reads_the_golden_values_exactly(sources, golden, fmt):
-    got = io.read_table([sources[fmt]])
+    got = ingest.read_table([sources[fmt]])
     want = golden.filter("loss_mask").sort("step", "position", "trainer_logprob").select(COLS)
     assert canon(got, fmt).equals(want)
     seqs = got.select("step", "sample_id").unique().height
@@ -184,33 +187,33 @@ def test_values_rounded_as_the_writers_store_them_replay_like_the_same_parquet(
 )
 def test_batch_size_does_not_change_the_table(sources, fmt):
     """Small batches: JSON is parsed in 64 KiB blocks, dumps and traces in 777-row frames."""
-    plan = io.plan_sources([sources[fmt]], io.ReadOptions(batch_rows=777))
-    frames = [df for _, df in io.iter_batches(plan)]
+    plan = ingest.plan_sources([sources[fmt]], ingest.ReadOptions(batch_rows=777))
+    frames = [df for _, df in ingest.iter_batches(plan)]
     assert len(frames) > 8
     a = pl.concat(frames).sort("step", "sample_id", "position")
-    b = io.read_table([sources[fmt]]).sort("step", "sample_id", "position")
+    b = ingest.read_table([sources[fmt]]).sort("step", "sample_id", "position")
     assert a.equals(b)
 
 
 def test_json_fast_and_slow_parsers_agree(sources, monkeypatch):
     """Blocks polars rejects are re-parsed line by line; both give the same table."""
-    want = {f: io.read_table([sources[f]]) for f in ("prime-rl", "nemo-rl", "jsonl-lists")}
+    want = {f: ingest.read_table([sources[f]]) for f in ("prime-rl", "nemo-rl", "jsonl-lists")}
 
     def refuse(*a, **k):
         raise pl.exceptions.ComputeError("forced slow path")
 
-    monkeypatch.setattr(adapters.pl, "read_ndjson", refuse)
+    monkeypatch.setattr(jsonl.pl, "read_ndjson", refuse)
     for f, t in want.items():
-        assert io.read_table([sources[f]]).equals(t), f
+        assert ingest.read_table([sources[f]]).equals(t), f
 
 
 def test_a_prime_rl_tree_streams_in_bounded_batches(golden, tmp_path):
     """40 steps x 4 ranks; with 1,000-row batches no frame holds more than a block's worth."""
     big = pl.concat([golden.with_columns(step=pl.col("step") + 8 * k) for k in range(5)])
     src = write_prime(big, tmp_path, ranks=4)
-    plan = io.plan_sources([src], io.ReadOptions(batch_rows=1000))
+    plan = ingest.plan_sources([src], ingest.ReadOptions(batch_rows=1000))
     assert len(plan.files) == 160 and plan.format == "prime-rl"
-    heights = [df.height for _, df in io.iter_batches(plan, ["step", "sample_id"])]
+    heights = [df.height for _, df in ingest.iter_batches(plan, ["step", "sample_id"])]
     assert sum(heights) == 5 * 19598
     assert max(heights) < 1500  # 64 KiB of JSON at a time, never a whole file or step
     steps = [int(p.parent.name.split("_")[1]) for p in plan.files]
@@ -221,7 +224,7 @@ def test_a_prime_rl_tree_streams_in_bounded_batches(golden, tmp_path):
 
 
 def test_detection_rules(tmp_path):
-    d = adapters.detect
+    d = formats.detect
     assert d(Path("run/token_exports/step_12/rank_3.jsonl")) == "prime-rl"
     assert d(Path("run/rank_3.jsonl")) == "jsonl"  # not in a step_<n> directory
     assert d(Path("logs/exp_001/train_data_step7.jsonl")) == "nemo-rl"
@@ -237,25 +240,25 @@ def test_detection_rules(tmp_path):
     (t / "stream.jsonl").write_text("")
     assert d(t / "annotations" / "trainer.jsonl") is None
     assert d(t / "stream.index.jsonl") is None
-    assert adapters.path_step(Path("t/step=4/part-0.parquet"), "parquet") == 4
-    assert adapters.path_step(Path("logs/train_data_step7.jsonl"), "nemo-rl") == 7
-    assert adapters.path_step(Path("t/step_12/rank_0.jsonl"), "prime-rl") == 12
-    assert adapters.path_step(Path("d/global_step_9_training_input.pkl"), "skyrl") == 9
+    assert formats.path_step(Path("t/step=4/part-0.parquet"), "parquet") == 4
+    assert formats.path_step(Path("logs/train_data_step7.jsonl"), "nemo-rl") == 7
+    assert formats.path_step(Path("t/step_12/rank_0.jsonl"), "prime-rl") == 12
+    assert formats.path_step(Path("d/global_step_9_training_input.pkl"), "skyrl") == 9
 
 
 def test_plan_names_the_format_and_format_option_overrides(sources, golden, tmp_path):
     for fmt in FRAMEWORK_FORMATS:
-        assert io.plan_sources([sources[fmt]]).format == fmt
-    assert io.plan_sources([sources["jsonl"]]).format == "jsonl"
+        assert ingest.plan_sources([sources[fmt]]).format == fmt
+    assert ingest.plan_sources([sources["jsonl"]]).format == "jsonl"
     # a NeMo-RL file under another name: --format nemo-rl, step from the digits in the name
     src = tmp_path / "step5.jsonl"
     src.write_bytes((sources["nemo-rl"] / "train_data_step5.jsonl").read_bytes())
-    plan = io.plan_sources([src], io.ReadOptions(format="nemo-rl"))
-    t = io.read_table(plan)
+    plan = ingest.plan_sources([src], ingest.ReadOptions(format="nemo-rl"))
+    t = ingest.read_table(plan)
     want = golden.filter(pl.col("step") == 5, "loss_mask").height
     assert plan.format == "nemo-rl" and set(t["step"]) == {5} and t.height == want
     with pytest.raises(UsageError, match="--format csv: known formats"):
-        io.plan_sources([src], io.ReadOptions(format="csv"))
+        ingest.plan_sources([src], ingest.ReadOptions(format="csv"))
 
 
 def test_directory_with_one_framework_ignores_other_files_and_says_so(sources, tmp_path):
@@ -265,8 +268,8 @@ def test_directory_with_one_framework_ignores_other_files_and_says_so(sources, t
         (d / p.name).write_bytes(p.read_bytes())
     (d / "val_data_step1.jsonl").write_text('{"content": "x"}\n')
     (d / "notes.txt").write_text("hi")
-    with pytest.warns(io.IngestWarning, match="ignored 1 jsonl file"):
-        plan = io.plan_sources([d])
+    with pytest.warns(ingest.IngestWarning, match="ignored 1 jsonl file"):
+        plan = ingest.plan_sources([d])
     assert plan.format == "nemo-rl" and len(plan.files) == 8
     assert any("ignored" in w for w in plan.warnings)
 
@@ -296,7 +299,7 @@ def test_nemo_rl_lines_are_the_loggers_one_element_lists(sources):
 
 def test_nemo_rl_flat_layout_reads_the_same_table(golden, sources, tmp_path):
     flat = write_nemo(golden, tmp_path / "flat", layout="flat")
-    assert io.read_table([flat]).equals(io.read_table([sources["nemo-rl"]]))
+    assert ingest.read_table([flat]).equals(ingest.read_table([sources["nemo-rl"]]))
 
 
 def test_nemo_rl_all_zero_prev_logprobs_are_refused(golden, tmp_path):
@@ -311,7 +314,7 @@ def test_nemo_rl_all_zero_prev_logprobs_are_refused(golden, tmp_path):
     assert "loss_fn.force_on_policy_ratio=True" in msg and "force_on_policy_ratio=false" in msg
     assert "mismatch_replay.capture.TokenWriter" in msg
     with pytest.raises(DataError, match="prev_logprobs"):  # not a row problem: no dropping it
-        io.read_table([src], io.ReadOptions(drop_invalid=True))
+        ingest.read_table([src], ingest.ReadOptions(drop_invalid=True))
     # a real file where some tokens happen to be 0.0 (p = 1 in float32) is read
     seqs = next(sequences(golden))[1]
     batch = nemo_batch(seqs)
@@ -324,7 +327,9 @@ def test_nemo_rl_all_zero_prev_logprobs_are_refused(golden, tmp_path):
             for i in range(len(seqs))
         )
     )
-    assert io.read_table([path]).height == golden.filter(pl.col("step") == 0, "loss_mask").height
+    assert (
+        ingest.read_table([path]).height == golden.filter(pl.col("step") == 0, "loss_mask").height
+    )
 
 
 def test_nemo_rl_a_line_holding_several_samples_is_reported(golden, tmp_path):
@@ -337,11 +342,11 @@ def test_nemo_rl_a_line_holding_several_samples_is_reported(golden, tmp_path):
     path = tmp_path / "train_data_step0.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError) as e:
-        io.read_table([path])
+        ingest.read_table([path])
     assert "train_data_step0.jsonl, line 4: NeMo-RL writes one sample per line" in str(e.value)
     assert "prev_logprobs 2" in str(e.value)
-    report = io.ReadReport()
-    t = io.read_table([path], io.ReadOptions(drop_invalid=True), report=report)
+    report = ingest.ReadReport()
+    t = ingest.read_table([path], ingest.ReadOptions(drop_invalid=True), report=report)
     assert report.dropped_records == 1 and sorted(set(t["sample_id"])) == [0, 1, 2]
 
 
@@ -356,19 +361,19 @@ def test_nemo_rl_padding_sample_mask_and_missing_token_mask(tmp_path):
     }
     off = dict(base, sample_loss_mask=0)  # a whole sample kept out of the loss
     src = _write_lines(tmp_path / "train_data_step4.jsonl", [base, "", off, base])
-    t = io.read_table([src])
+    t = ingest.read_table([src])
     assert t["sample_id"].to_list() == [0, 0, 2, 2]  # index in the file, blank lines skipped
     assert t["position"].to_list() == [1, 2, 1, 2] and set(t["step"]) == {4}
     bare = {k: v for k, v in base.items() if k != "token_loss_mask"}
     src = _write_lines(tmp_path / "b" / "train_data_step1.jsonl", [bare])
-    with pytest.warns(io.IngestWarning, match="no token_loss_mask"):
-        assert io.read_table([src]).height == 3  # the prompt token counts too
+    with pytest.warns(ingest.IngestWarning, match="no token_loss_mask"):
+        assert ingest.read_table([src]).height == 3  # the prompt token counts too
     # the same records in NeMo-RL's wrapped layout, idx as written
     wrapped = [
         {**{k: [v] for k, v in r.items()}, "idx": i} for i, r in enumerate([base, off, base])
     ]
     src = _write_lines(tmp_path / "w" / "train_data_step4.jsonl", wrapped)
-    t = io.read_table([src])
+    t = ingest.read_table([src])
     assert t["sample_id"].to_list() == [0, 0, 2, 2] and t["position"].to_list() == [1, 2, 1, 2]
 
 
@@ -377,27 +382,27 @@ def test_nemo_rl_padding_sample_mask_and_missing_token_mask(tmp_path):
 
 def test_slime_dump_details_tree_reads_train_data_and_skips_rollout_data(golden, tmp_path):
     d = write_slime(golden, tmp_path / "details", dump_details=True)
-    with pytest.warns(io.IngestWarning) as w:
-        plan = io.plan_sources([d])
+    with pytest.warns(ingest.IngestWarning) as w:
+        plan = ingest.plan_sources([d])
     assert [p.parent.name for p in plan.files] == ["train_data"] * 8
     note = next(str(x.message) for x in w if "rollout" in str(x.message))
     assert note.startswith(f"skipped 8 slime rollout dump(s) under {d / 'rollout_data'}")
     assert "without trainer log-probs; the train dumps beside them (train_data/) are read" in note
     assert note in plan.warnings
-    with pytest.warns(io.IngestWarning, match="skipped 8 slime rollout dump"):
+    with pytest.warns(ingest.IngestWarning, match="skipped 8 slime rollout dump"):
         got = engine.sweep([d], rules=SPECS).table
     want = engine.sweep([GOLDEN_LOG], rules=SPECS).table
     assert_tables_equal(got, want, rel=1e-12)
     # a glob over the whole tree does the same
-    with pytest.warns(io.IngestWarning, match="skipped 8 slime rollout dump"):
-        assert len(io.plan_sources([str(d / "**" / "*.pt")]).files) == 8
+    with pytest.warns(ingest.IngestWarning, match="skipped 8 slime rollout dump"):
+        assert len(ingest.plan_sources([str(d / "**" / "*.pt")]).files) == 8
 
 
 def test_a_slime_rollout_dump_on_its_own_says_where_the_train_dumps_are(golden, tmp_path):
     d = write_slime(golden, tmp_path / "details", dump_details=True)
     for src in (d / "rollout_data" / "3.pt", d / "rollout_data"):
         with pytest.raises(DataError) as e:
-            io.plan_sources([src])
+            ingest.plan_sources([src])
         msg = str(e.value)
         assert "0.pt" in msg or "3.pt" in msg
         assert "a slime rollout dump (12 samples" in msg and "not a train dump" in msg
@@ -405,7 +410,7 @@ def test_a_slime_rollout_dump_on_its_own_says_where_the_train_dumps_are(golden, 
         assert f"read {d / 'train_data'} instead" in msg
     torch.save(slime_rollout_dump(next(sequences(golden))[1], 0), tmp_path / "alone.pt")
     with pytest.raises(DataError, match="--save-debug-train-data PATH writes PATH\\."):
-        io.plan_sources([tmp_path / "alone.pt"])
+        ingest.plan_sources([tmp_path / "alone.pt"])
 
 
 def test_slime_positions_steps_and_safe_loading(golden, tmp_path):
@@ -413,7 +418,7 @@ def test_slime_positions_steps_and_safe_loading(golden, tmp_path):
     dump = slime_dump(seqs, step=42)
     dump["samples"][1]["log_probs"] = dump["samples"][1]["log_probs"].float()  # real dumps
     torch.save(dump, tmp_path / "r42.pt")
-    t = io.read_table([tmp_path / "r42.pt"])
+    t = ingest.read_table([tmp_path / "r42.pt"])
     assert set(t["step"]) == {42} and sorted(set(t["sample_id"])) == [0, 1]
     g = golden.filter(pl.col("step") == 0, pl.col("sample_id") == 0, "loss_mask")
     assert t.filter(pl.col("sample_id") == 0)["position"].to_list() == g["position"].to_list()
@@ -422,7 +427,7 @@ def test_slime_positions_steps_and_safe_loading(golden, tmp_path):
         {"format_version": 2, "rollout_id": 1, "samples": [NotPlainData()]}, tmp_path / "x.pt"
     )
     with pytest.raises(DataError, match="never unpickles arbitrary objects"):
-        io.plan_sources([tmp_path / "x.pt"])
+        ingest.plan_sources([tmp_path / "x.pt"])
 
 
 class NotPlainData:
@@ -433,17 +438,17 @@ class NotPlainData:
 def test_slime_dump_with_unexpected_keys_lists_found_and_expected(tmp_path):
     torch.save({"rollout_id": 1, "rank": 0, "rollout_data": {}}, tmp_path / "old.pt")
     with pytest.raises(DataError) as e:
-        io.plan_sources([tmp_path / "old.pt"])
+        ingest.plan_sources([tmp_path / "old.pt"])
     msg = str(e.value)
     assert "old.pt" in msg and "keys found: rank, rollout_data, rollout_id" in msg
     assert "expected: format_version, rollout_id, samples" in msg
     sample = {"log_prob": torch.zeros(3), "rollout_log_probs": torch.zeros(3)}
     torch.save({"format_version": 2, "rollout_id": 1, "samples": [sample]}, tmp_path / "s.pt")
     with pytest.raises(DataError, match=r"samples\[0\].*log_probs missing.*found: log_prob, "):
-        io.plan_sources([tmp_path / "s.pt"])
+        ingest.plan_sources([tmp_path / "s.pt"])
     torch.save({"format_version": 3, "rollout_id": 1, "samples": []}, tmp_path / "v3.pt")
     with pytest.raises(DataError, match="format_version 3"):
-        io.plan_sources([tmp_path / "v3.pt"])
+        ingest.plan_sources([tmp_path / "v3.pt"])
 
 
 def test_slime_without_torch_says_how_to_install_it(tmp_path, monkeypatch):
@@ -459,21 +464,21 @@ def test_slime_without_torch_says_how_to_install_it(tmp_path, monkeypatch):
     (tmp_path / "d.pt").write_bytes(b"PK")
     monkeypatch.setattr(builtins, "__import__", no_torch)
     with pytest.raises(DataError, match=r"needs torch.*pip install torch==2.13.0"):
-        io.plan_sources([tmp_path / "d.pt"])
+        ingest.plan_sources([tmp_path / "d.pt"])
 
 
 # ----------------------------------------------------------------------------- SkyRL
 
 
 def test_skyrl_pickle_reads_with_pad_rows_left_out(sources, golden):
-    plan = io.plan_sources([sources["skyrl"]])
+    plan = ingest.plan_sources([sources["skyrl"]])
     assert [p.name for p in plan.files][:2] == [
         "global_step_0_training_input.pkl",
         "global_step_1_training_input.pkl",
     ]
-    state = adapters.load_skyrl(plan.files[0])
+    state = skyrl.load_skyrl(plan.files[0])
     assert state["batch_size"] == 15 and state["metadata"]["pad_size"] == 3  # 12 + DP padding
-    t = io.read_table([plan.files[0]])
+    t = ingest.read_table([plan.files[0]])
     assert sorted(set(t["sample_id"])) == list(range(12))  # rows 12..14 are padding
     want = golden.filter(pl.col("step") == 0, "loss_mask")
     assert t.height == want.height and set(t["step"]) == {0}
@@ -497,7 +502,7 @@ def test_skyrl_pickle_with_any_other_object_is_refused_and_never_runs(golden, tm
 
     src = write_skyrl(golden.filter(pl.col("step") == 0), tmp_path / "x", edit=sneak)
     with pytest.raises(DataError) as e:
-        io.plan_sources([src])
+        ingest.plan_sources([src])
     msg = str(e.value)
     assert "global_step_0_training_input.pkl: the pickle names posix.makedirs" in msg or (
         "the pickle names os.makedirs" in msg
@@ -508,7 +513,7 @@ def test_skyrl_pickle_with_any_other_object_is_refused_and_never_runs(golden, tm
     # a pickle of something else altogether
     (tmp_path / "other.pkl").write_bytes(pickle.dumps({"a": [1, 2]}))
     with pytest.raises(DataError, match=r"other.pkl: the pickle holds a dict, not a SkyRL"):
-        io.plan_sources([tmp_path / "other.pkl"])
+        ingest.plan_sources([tmp_path / "other.pkl"])
 
 
 def test_skyrl_batch_without_trainer_logprobs_says_why(golden, tmp_path):
@@ -517,7 +522,7 @@ def test_skyrl_batch_without_trainer_logprobs_says_why(golden, tmp_path):
 
     src = write_skyrl(golden.filter(pl.col("step") == 0), tmp_path / "x", edit=skip_forward)
     with pytest.raises(DataError) as e:
-        io.plan_sources([src])
+        ingest.plan_sources([src])
     msg = str(e.value)
     assert "global_step_0_training_input.pkl: the batch holds no action_log_probs" in msg
     assert "_skip_policy_forward" in msg and "off_policy_correction" in msg
@@ -527,7 +532,7 @@ def test_skyrl_batch_without_trainer_logprobs_says_why(golden, tmp_path):
 
     src = write_skyrl(golden.filter(pl.col("step") == 0), tmp_path / "y", edit=no_sampler)
     with pytest.raises(DataError, match=r"no rollout_logprobs.*generator.sampling_params.logprobs"):
-        io.plan_sources([src])
+        ingest.plan_sources([src])
 
 
 def test_skyrl_bfloat16_tensors_take_the_torch_path(golden, tmp_path):
@@ -541,7 +546,7 @@ def test_skyrl_bfloat16_tensors_take_the_torch_path(golden, tmp_path):
         state["batch_dict"]["action_log_probs"] = {"format": "torch", "data": buf.getvalue()}
 
     src = write_skyrl(golden.filter(pl.col("step") == 0), tmp_path / "x", edit=to_bf16)
-    t = io.read_table([src])
+    t = ingest.read_table([src])
     want = golden.filter(pl.col("step") == 0, "loss_mask").sort("sample_id", "position")
     got = t.sort("sample_id", "position")["trainer_logprob"].to_numpy()
     bf16 = torch.tensor(want["trainer_logprob"].to_numpy()).to(torch.bfloat16).double().numpy()
@@ -557,7 +562,7 @@ def test_trace_fixture_is_episodes_of_message_graphs(sources):
     assert set(first) >= {"id", "env", "run", "traces"} and len(first["traces"]) == 1
     nodes = first["traces"][0]["nodes"]
     assert "parent" not in nodes[0]  # exclude_none drops the root's parent
-    paths = adapters._leaf_paths(nodes)  # two branches below a shared root, leaves in order
+    paths = prime_rl._leaf_paths(nodes)  # two branches below a shared root, leaves in order
     assert len(paths) == 2 and paths[0][0] == paths[1][0] == 0 and paths[0][-1] < paths[1][-1]
     assert [nodes[p[-1]]["sampled"] for p in paths] == [True, True]
     upd = json.loads((tdir / "annotations" / "trainer.jsonl").read_text().splitlines()[0])
@@ -573,7 +578,7 @@ def test_traces_without_annotations_are_refused_with_the_reason(golden, tmp_path
     for p in (tdir / "annotations").iterdir():
         p.unlink()
     with pytest.raises(DataError) as e:
-        io.plan_sources([tdir])
+        ingest.plan_sources([tdir])
     msg = str(e.value)
     assert "stream.jsonl: no trainer annotations beside the trace stream" in msg
     assert "the traces hold only the sampler's" in msg and "annotations/trainer.jsonl" in msg
@@ -597,8 +602,8 @@ def test_traces_with_node_advantages_and_an_annotation_for_a_missing_trace(golde
             )
             + "\n"
         )
-    report = io.ReadReport()
-    t = io.read_table([tdir], report=report)
+    report = ingest.ReadReport()
+    t = ingest.read_table([tdir], report=report)
     want = part.filter("loss_mask").sort("step", "position", "trainer_logprob").select(COLS)
     assert canon(t, "prime-rl-traces").equals(want)
     assert any(
@@ -615,9 +620,9 @@ def test_a_torn_annotation_line_names_file_and_line_or_is_skipped(golden, tmp_pa
     lines = ann.read_text().splitlines()
     ann.write_text("\n".join([*lines, lines[0][:50]]) + "\n")  # the trainer died mid-append
     with pytest.raises(DataError, match=rf"trainer.jsonl, line {len(lines) + 1}: not valid JSON"):
-        io.plan_sources([tdir])
-    report = io.ReadReport()
-    t = io.read_table([tdir], io.ReadOptions(drop_invalid=True), report=report)
+        ingest.plan_sources([tdir])
+    report = ingest.ReadReport()
+    t = ingest.read_table([tdir], ingest.ReadOptions(drop_invalid=True), report=report)
     assert t.height == part.filter("loss_mask").height and report.dropped_records == 1
 
 
@@ -635,7 +640,7 @@ def test_trace_ce_tokens_leave_the_mask(golden, tmp_path):
         im[k] = None
     lines[0] = json.dumps(upd)
     (tdir / "annotations" / "trainer.jsonl").write_text("\n".join(lines) + "\n")
-    t = io.read_table([tdir])
+    t = ingest.read_table([tdir])
     assert t.height == part.filter("loss_mask").height - 5
 
 
@@ -679,8 +684,8 @@ def test_prime_rl_ce_tokens_carry_no_mismatch(golden, tmp_path):
             rec["ref_kl_weights"] = [1.0 if m else 0.0 for m in rec["loss_mask"]]
 
     src = write_prime(part, tmp_path, edit=route)
-    with pytest.warns(io.IngestWarning, match=r"rl_weights == 0 and ref_kl_weights == 0 \(CE"):
-        t = io.read_table([src])
+    with pytest.warns(ingest.IngestWarning, match=r"rl_weights == 0 and ref_kl_weights == 0 \(CE"):
+        t = ingest.read_table([src])
     ce = sum(
         g["loss_mask"].sum() for k, g in enumerate(next(sequences(part))[1]) if k in (0, 6)
     )  # k == 0 on each of the two ranks
@@ -688,7 +693,7 @@ def test_prime_rl_ce_tokens_carry_no_mismatch(golden, tmp_path):
 
 
 def test_prime_check_agrees_with_the_exported_is_masked(sources):
-    check = adapters.prime_check([sources["prime-rl"]])
+    check = prime_check([sources["prime-rl"]])
     n = 19598
     masked = check.logged_masked
     assert check.rule == "dppo-tv@prime-rl" and check.tokens == n and check.agree == n
@@ -698,7 +703,7 @@ def test_prime_check_agrees_with_the_exported_is_masked(sources):
         f"replayed k3 on {n:,} of {n:,} tokens"
     )
     assert masked > 10
-    assert adapters.prime_check([sources["nemo-rl"]]) is None  # nothing logged to check
+    assert prime_check([sources["nemo-rl"]]) is None  # nothing logged to check
 
 
 def test_prime_check_names_disagreements(golden, tmp_path):
@@ -714,7 +719,7 @@ def test_prime_check_names_disagreements(golden, tmp_path):
     flipped = []
 
     src = write_prime(part, tmp_path, dtype="float32", edit=flip)
-    check = adapters.prime_check([src])
+    check = prime_check([src])
     assert check.tokens == part.filter("loss_mask").height
     assert check.agree == check.tokens - 1
     assert f"first disagreements: step 1 sample 2 position {flipped[0]} (run " in check.line()
@@ -725,11 +730,11 @@ def test_prime_check_on_traces_names_the_rule_that_fits(golden, tmp_path):
     n = part.filter("loss_mask").height
     for kind, rule in (("dppo-tv", "dppo-tv@prime-rl"), ("ipo", "ipo@prime-rl")):
         run = write_traces(part, tmp_path / kind, is_masked=kind)
-        check = adapters.prime_check([run / "monitors" / "file" / "traces"])
+        check = prime_check([run / "monitors" / "file" / "traces"])
         assert check.rule == rule and check.agree == check.tokens == n
         assert "the best of dppo-tv@prime-rl, ipo@prime-rl, ipo@prime-rl-legacy" in check.line()
     run = write_traces(part, tmp_path / "none", is_masked=None)
-    assert adapters.prime_check([run / "monitors" / "file" / "traces"]) is None
+    assert prime_check([run / "monitors" / "file" / "traces"]) is None
 
 
 # ----------------------------------------------------------------------------- prime-rl records
@@ -775,7 +780,7 @@ def test_prime_rl_pad_ids_and_step(tmp_path):
     rec = _prime_record(rank=2, idx=17)
     del rec["step"]  # the step then comes from the directory
     src = _prime_step(tmp_path, 9, {2: [rec]})
-    t = io.read_table([src])
+    t = ingest.read_table([src])
     assert t["position"].to_list() == [2, 3]
     assert t["sample_id"].to_list() == [2_000_017] * 2  # rank 2, sequence 17
     assert t["step"].to_list() == [9, 9]
@@ -786,26 +791,29 @@ def test_prime_rl_pad_ids_and_step(tmp_path):
 def test_prime_rl_unstable_steps_are_skipped_with_a_warning(tmp_path):
     src = _prime_step(tmp_path, 1, {0: [_prime_record(step=1)]})
     _prime_step(tmp_path, 2, {0: [_prime_record(step=2), '{"step": 2, "trainer_lo']}, False)
-    with pytest.warns(io.IngestWarning, match=r"skipped 1 prime-rl step\(s\) without a STABLE"):
-        plan = io.plan_sources([src])
+    with pytest.warns(ingest.IngestWarning, match=r"skipped 1 prime-rl step\(s\) without a STABLE"):
+        plan = ingest.plan_sources([src])
     assert [p.parent.name for p in plan.files] == ["step_1"]
-    report = io.ReadReport()
-    assert io.read_table(plan, report=report)["step"].to_list() == [1, 1]
+    report = ingest.ReadReport()
+    assert ingest.read_table(plan, report=report)["step"].to_list() == [1, 1]
     assert "--include-unstable" in report.warnings[0]
     # taking them: the half-written last line is an error naming file and line ...
-    opts = io.ReadOptions(include_unstable=True)
-    with pytest.warns(io.IngestWarning), pytest.raises(DataError, match=r"rank_0.jsonl, line 2"):
-        io.read_table([src], opts)
+    opts = ingest.ReadOptions(include_unstable=True)
+    with (
+        pytest.warns(ingest.IngestWarning),
+        pytest.raises(DataError, match=r"rank_0.jsonl, line 2"),
+    ):
+        ingest.read_table([src], opts)
     # ... or skipped and counted
-    opts = io.ReadOptions(include_unstable=True, drop_invalid=True)
-    report = io.ReadReport()
-    with pytest.warns(io.IngestWarning):
-        t = io.read_table([src], opts, report=report)
+    opts = ingest.ReadOptions(include_unstable=True, drop_invalid=True)
+    report = ingest.ReadReport()
+    with pytest.warns(ingest.IngestWarning):
+        t = ingest.read_table([src], opts, report=report)
     assert sorted(set(t["step"])) == [1, 2] and report.dropped_records == 1
     # every step unstable: nothing to read, and the error says how to read them anyway
     (src / "step_1" / "STABLE").unlink()
     with pytest.raises(DataError, match=r"still being written.*--include-unstable"):
-        io.plan_sources([src])
+        ingest.plan_sources([src])
 
 
 # ----------------------------------------------------------------------------- hardening
@@ -815,11 +823,11 @@ def test_truncated_and_malformed_lines_name_file_and_line(tmp_path):
     good = _prime_record()
     src = _prime_step(tmp_path, 3, {0: [good, "{not json}", good, json.dumps(good)[:-20]]})
     with pytest.raises(DataError) as e:
-        io.read_table([src])
+        ingest.read_table([src])
     msg = str(e.value)
     assert "rank_0.jsonl, line 2: not valid JSON" in msg and "--drop-invalid" in msg
-    report = io.ReadReport()
-    t = io.read_table([src], io.ReadOptions(drop_invalid=True), report=report)
+    report = ingest.ReadReport()
+    t = ingest.read_table([src], ingest.ReadOptions(drop_invalid=True), report=report)
     assert t.height == 4 and report.dropped_records == 2  # 2 good records x 2 loss tokens
     key = (str(src / "step_3" / "rank_0.jsonl"), "records: not valid JSON")
     assert report.dropped[key] == 2
@@ -829,23 +837,25 @@ def test_arrays_of_unequal_length_within_a_record(tmp_path):
     bad = _prime_record(trainer_logprobs=[None, -0.5, -0.5])
     src = _prime_step(tmp_path, 3, {0: [_prime_record(), bad]})
     with pytest.raises(DataError, match=r"line 2: per-token arrays of unequal length") as e:
-        io.read_table([src])
+        ingest.read_table([src])
     assert "trainer_logprobs 3" in str(e.value) and "inference_logprobs 4" in str(e.value)
-    report = io.ReadReport()
-    assert io.read_table([src], io.ReadOptions(drop_invalid=True), report=report).height == 2
+    report = ingest.ReadReport()
+    assert (
+        ingest.read_table([src], ingest.ReadOptions(drop_invalid=True), report=report).height == 2
+    )
     assert report.dropped_records == 1
     # slime: a sample whose response arrays disagree
     s = slime_dump([pl.read_parquet(GOLDEN_LOG).head(40)], step=0)
     s["samples"][0]["rollout_log_probs"] = s["samples"][0]["rollout_log_probs"][:-1]
     torch.save(s, tmp_path / "u.pt")
     with pytest.raises(DataError, match=r"u.pt, samples\[0\]: response arrays of unequal"):
-        io.read_table([tmp_path / "u.pt"])
+        ingest.read_table([tmp_path / "u.pt"])
 
 
 def test_a_record_without_the_expected_keys(tmp_path):
     src = _prime_step(tmp_path, 3, {0: [{"step": 3, "tokens": [{"id": 1}]}]})
     with pytest.raises(DataError) as e:
-        io.plan_sources([src])
+        ingest.plan_sources([src])
     msg = str(e.value)
     assert "line 1: not a prime-rl record" in msg and "Keys found: step, tokens" in msg
     assert "Keys expected: trainer_logprobs, inference_logprobs, loss_mask" in msg
@@ -854,21 +864,21 @@ def test_a_record_without_the_expected_keys(tmp_path):
     del rec["inference_logprobs"]
     src = _prime_step(tmp_path / "b", 3, {0: [_prime_record(), rec]})
     with pytest.raises(DataError, match=r"line 2: prime-rl record without inference_logprobs"):
-        io.read_table([src])
+        ingest.read_table([src])
 
 
 def test_an_empty_rank_file_is_skipped_and_all_empty_is_an_error(tmp_path):
     src = _prime_step(tmp_path, 3, {0: [_prime_record()], 1: []})
-    with pytest.warns(io.IngestWarning, match="1 empty file"):
-        assert io.read_table([src]).height == 2
+    with pytest.warns(ingest.IngestWarning, match="1 empty file"):
+        assert ingest.read_table([src]).height == 2
     src = _prime_step(tmp_path / "e", 3, {0: [], 1: []})
     with pytest.raises(DataError, match="no record to read"):
-        io.plan_sources([src])
+        ingest.plan_sources([src])
 
 
 def test_mixed_formats_are_refused(sources):
     with pytest.raises(DataError) as e:
-        io.plan_sources([sources["nemo-rl"], sources["parquet"]])
+        ingest.plan_sources([sources["nemo-rl"], sources["parquet"]])
     msg = str(e.value)
     assert "mix formats" in msg and "is nemo-rl" in msg and "is parquet" in msg
 
@@ -879,8 +889,8 @@ def test_mixed_directory_is_refused_with_what_it_holds(sources, tmp_path):
     (d / "a.parquet").write_bytes(sources["parquet"].read_bytes())
     (d / "b.jsonl").write_bytes(sources["jsonl"].read_bytes())
     with pytest.raises(DataError, match=r"mixes formats: 1 parquet file.*1 jsonl file.*--format"):
-        io.plan_sources([d])
-    assert io.plan_sources([d], io.ReadOptions(format="jsonl")).format == "jsonl"
+        ingest.plan_sources([d])
+    assert ingest.plan_sources([d], ingest.ReadOptions(format="jsonl")).format == "jsonl"
 
 
 def test_a_directory_with_nothing_readable(tmp_path):
@@ -888,7 +898,7 @@ def test_a_directory_with_nothing_readable(tmp_path):
     (tmp_path / "d" / "notes.txt").write_text("x")
     (tmp_path / "d" / "STABLE").write_text("")
     with pytest.raises(DataError, match=r"no \.parquet file and no other token log.*2 other"):
-        io.plan_sources([tmp_path / "d"])
+        ingest.plan_sources([tmp_path / "d"])
 
 
 @pytest.mark.parametrize("fmt", [*FRAMEWORK_FORMATS, "parquet", "jsonl"])
@@ -898,9 +908,9 @@ def test_a_file_that_disappears_while_being_read(sources, tmp_path, fmt):
     src = sources[fmt]
     copy = tmp_path / "copy"
     (shutil.copytree if src.is_dir() else shutil.copy)(src, copy)
-    plan = io.plan_sources([copy])
+    plan = ingest.plan_sources([copy])
     victim = plan.files[-1]
-    batches = io.iter_batches(plan)
+    batches = ingest.iter_batches(plan)
     if len(plan.files) > 1:
         next(batches)  # reading has started (a file already open stays readable on POSIX)
     victim.unlink()
@@ -923,19 +933,19 @@ def test_huge_values_and_null_in_a_logprob(tmp_path, value, what):
     text = json.dumps(_prime_record(trainer_logprobs=[None, -0.5, "X", -1.0]))
     src = _prime_step(tmp_path, 3, {0: [text.replace('"X"', value), _prime_record()]})
     with pytest.raises(DataError) as e:
-        io.read_table([src])
+        ingest.read_table([src])
     msg = str(e.value)
     assert "rank_0.jsonl" in msg and "trainer_logprob" in msg
     assert f"1 of 4 loss rows are {what}" in msg
-    report = io.ReadReport()
-    t = io.read_table([src], io.ReadOptions(drop_invalid=True), report=report)
+    report = ingest.ReadReport()
+    t = ingest.read_table([src], ingest.ReadOptions(drop_invalid=True), report=report)
     assert t.height == 3 and report.dropped_rows == 1 and report.dropped_records == 0
 
 
 def test_a_value_of_the_wrong_type_names_line_and_key(tmp_path):
     src = _prime_step(tmp_path, 3, {0: [_prime_record(), _prime_record(loss_mask="yes")]})
     with pytest.raises(DataError, match=r"line 2: key 'loss_mask': expected an array"):
-        io.read_table([src])
+        ingest.read_table([src])
 
 
 def test_jsonl_token_rows_aliases_map_and_probabilities(tmp_path):
@@ -944,8 +954,8 @@ def test_jsonl_token_rows_aliases_map_and_probabilities(tmp_path):
         {"lp": 1, "inference_probs": 1, "step": 1},
     ]
     src = _write_lines(tmp_path / "p.jsonl", rows)
-    opts = io.ReadOptions(mapping={"trainer_logprob": "lp"}, probs=True)
-    t = io.read_table([src], opts)
+    opts = ingest.ReadOptions(mapping={"trainer_logprob": "lp"}, probs=True)
+    t = ingest.read_table([src], opts)
     np.testing.assert_allclose(t["trainer_logprob"], [math.log(0.5), 0.0])
     np.testing.assert_allclose(t["inference_logprob"], [math.log(0.25), 0.0])
 
@@ -985,7 +995,7 @@ def test_never_reads_a_half_written_dump(tmp_path):
     data = (tmp_path / "full.pt").read_bytes()
     (tmp_path / "half.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"half.pt: cannot read it as a torch.save file"):
-        io.plan_sources([tmp_path / "half.pt"])
+        ingest.plan_sources([tmp_path / "half.pt"])
     assert os.path.getsize(tmp_path / "full.pt") == len(data)
 
 
@@ -1002,7 +1012,7 @@ def test_inspect_prints_the_prime_rl_agreement(sources):
     assert "agree with prime-rl's is_masked" in " ".join(res.stdout.split())
     res = CliRunner().invoke(app, ["inspect", str(sources["prime-rl"]), "--json"])
     d = json.loads(res.stdout)["prime_rl_check"]
-    assert d == json.loads(json.dumps(adapters.prime_check([sources["prime-rl"]]).to_dict()))
+    assert d == json.loads(json.dumps(prime_check([sources["prime-rl"]]).to_dict()))
     res = CliRunner().invoke(app, ["inspect", str(sources["nemo-rl"]), "--json"])
     assert "prime_rl_check" not in json.loads(res.stdout)
 
@@ -1017,9 +1027,9 @@ def test_nemo_rl_negative_input_lengths_are_a_bad_record(golden, tmp_path):
     lines[1] = json.dumps(rec)
     f.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=r"train_data_step0.jsonl, line 2: input_lengths -5 is neg"):
-        io.read_table([src])
-    report = io.ReadReport()
-    t = io.read_table([src], io.ReadOptions(drop_invalid=True), report=report)
+        ingest.read_table([src])
+    report = ingest.ReadReport()
+    t = ingest.read_table([src], ingest.ReadOptions(drop_invalid=True), report=report)
     dropped = {c: n for (_, c), n in report.dropped.items()}
     assert dropped == {"records: negative input_lengths": 1}
     want = golden.filter(pl.col("loss_mask")).height

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from mismatch_replay import engine, io
-from mismatch_replay.alignment import AlignmentCheck, first_batch_warnings
+from mismatch_replay import engine, ingest
 from mismatch_replay.cli import app
+from mismatch_replay.ingest.alignment import AlignmentCheck, first_batch_warnings
 
 
 def _golden() -> pl.DataFrame:
@@ -113,8 +113,8 @@ def test_inspect_shows_the_verdict_and_every_command_warns_once(tmp_path):
         res = CliRunner().invoke(app, [cmd[0], str(path), *cmd[1:]])
         assert res.exit_code == 0, res.output
         assert res.stderr.count("look shifted by +1 position") <= 1
-    engine._ALIGNMENT_WARNED.clear()
-    with pytest.warns(io.IngestWarning, match="shifted by \\+1"):
+    engine.clear_alignment_warnings()
+    with pytest.warns(ingest.IngestWarning, match="shifted by \\+1"):
         engine.sweep([path], rules=["ipo", "seq-mis"])
     aligned = CliRunner().invoke(app, ["sweep", str(GOLDEN_LOG), "-r", "ipo", "-r", "seq-mis"])
     assert "shifted" not in aligned.stderr

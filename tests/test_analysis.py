@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mismatch_replay import analysis
+from mismatch_replay.analysis import search
 from mismatch_replay.cli import app
 
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
@@ -51,18 +52,18 @@ def test_choose_lands_within_tolerance(tmp_path, seed, target):
     df = pl.read_parquet(f)
     m = brute_masks(df)
     for r in rows:
-        if r["rule"] == "ipo":
-            brute = m["ipo"](r["value"]).mean()
-        elif r["param"] == "high":
-            brute = m["icepop-high"](r["value"]).mean()
+        if r.rule == "ipo":
+            brute = m["ipo"](r.value).mean()
+        elif r.param == "high":
+            brute = m["icepop-high"](r.value).mean()
         else:
             lp = df["trainer_logprob"].to_numpy() - df["inference_logprob"].to_numpy()
-            brute = ((lp < np.log(r["value"])) | (lp > np.log(5.0))).mean()
-        assert r["masked_fraction"] == pytest.approx(brute, rel=1e-12, abs=1e-15)
-        if r["status"] == "ok":
-            assert abs(r["masked_fraction"] - target) <= 0.01 * target
+            brute = ((lp < np.log(r.value)) | (lp > np.log(5.0))).mean()
+        assert r.masked_fraction == pytest.approx(brute, rel=1e-12, abs=1e-15)
+        if r.status == "ok":
+            assert abs(r.masked_fraction - target) <= 0.01 * target
         else:
-            assert r["status"] in ("ties", "out of range"), r
+            assert r.status in ("ties", "out of range"), r
 
 
 def test_choose_reports_ties(tmp_path):
@@ -71,7 +72,7 @@ def test_choose_reports_ties(tmp_path):
     lp = np.where(np.arange(n) < 500, np.log(0.5), np.log(0.9))  # half move by exactly 0.4
     pl.DataFrame({"trainer_logprob": lp, "inference_logprob": lq}).write_parquet(tmp_path / "t.pq")
     (row,) = analysis.choose([tmp_path / "t.pq"], 0.25, ["ipo"], bootstrap=0)
-    assert row["status"] == "ties" and "jumps from 0.5 to 0" in row["note"]
+    assert row.status == "ties" and "jumps from 0.5 to 0" in row.note
 
 
 def test_choose_bootstrap_interval(tmp_path):
@@ -80,19 +81,19 @@ def test_choose_bootstrap_interval(tmp_path):
     b = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, seed=1)[0]
     c = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, seed=2)[0]
     assert a == b
-    assert (a["ci_low"], a["ci_high"]) != (c["ci_low"], c["ci_high"])
-    assert a["ci_low"] <= a["value"] <= a["ci_high"]
-    assert a["ci_low"] < a["ci_high"]
+    assert (a.ci_low, a.ci_high) != (c.ci_low, c.ci_high)
+    assert a.ci_low <= a.value <= a.ci_high
+    assert a.ci_low < a.ci_high
     steps = analysis.choose([f], 0.02, ["ipo"], bootstrap=100, unit="step")[0]
-    assert steps["ci_low"] <= steps["value"] <= steps["ci_high"]
+    assert steps.ci_low <= steps.value <= steps.ci_high
 
 
 def test_choose_inverse_gives_the_fraction_at_a_setting():
     rows = analysis.choose([GOLDEN], None, ["ipo:eps=0.3", "seq-mis@verl"], bootstrap=50)
-    assert rows[0]["masked_tokens"] == 29 and rows[0]["tokens"] == 19598
-    assert rows[1]["masked_tokens"] == 7981  # golden
+    assert rows[0].masked_tokens == 29 and rows[0].tokens == 19598
+    assert rows[1].masked_tokens == 7981  # golden
     for r in rows:
-        assert r["ci_low"] <= r["masked_fraction"] <= r["ci_high"]
+        assert r.ci_low <= r.masked_fraction <= r.ci_high
 
 
 def test_compare_counts_equal_brute_force_sets():
@@ -101,14 +102,14 @@ def test_compare_counts_equal_brute_force_sets():
     lp, lq = df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
     a = np.abs(np.exp(lp) - np.exp(lq)) > 0.3
     b = (lp - lq < np.log(0.2)) | (lp - lq > np.log(5.0))
-    assert res["both"] == (a & b).sum() and res["only_a"] == (a & ~b).sum()
-    assert res["only_b"] == (~a & b).sum() and res["neither"] == (~a & ~b).sum()
-    assert res["jaccard"] == pytest.approx((a & b).sum() / (a | b).sum())
+    assert res.both == (a & b).sum() and res.only_a == (a & ~b).sum()
+    assert res.only_b == (~a & b).sum() and res.neither == (~a & ~b).sum()
+    assert res.jaccard == pytest.approx((a & b).sum() / (a | b).sum())
     mass = np.abs(np.exp(lp) - np.exp(lq))
-    assert res["cells"]["only_a"]["mass"] == pytest.approx(mass[a & ~b].sum())
-    assert res["cells"]["only_b"]["mean_q"] == pytest.approx(np.exp(lq)[~a & b].mean())
-    assert sum(w["tokens"] for w in res["where"]) == df.height
-    ex = res["examples"]
+    assert res.cells["only_a"].mass == pytest.approx(mass[a & ~b].sum())
+    assert res.cells["only_b"].mean_q == pytest.approx(np.exp(lq)[~a & b].mean())
+    assert sum(w.tokens for w in res.where) == df.height
+    ex = res.examples
     assert [e["masked_by"] for e in ex] == ["a"] * 3 + ["b"] * 3
     only_b_ratios = np.abs(lp - lq)[~a & b]
     assert abs(ex[3]["log_ratio"]) == pytest.approx(only_b_ratios.max())
@@ -116,15 +117,15 @@ def test_compare_counts_equal_brute_force_sets():
 
 def test_compare_with_a_sequence_rule():
     res = analysis.compare([GOLDEN], "seq-mis@verl", "ipo:eps=0.05")
-    assert res["masked_a"] == 7981 and res["masked_b"] == 102  # golden counts
+    assert res.masked_a == 7981 and res.masked_b == 102  # golden counts
 
 
 def test_compare_iso_budget():
     res = analysis.compare([GOLDEN], "ipo", "icepop@prime-rl", budget=0.01)
     for side in ("a", "b"):
-        assert res["settings"][side]["masked_fraction"] == pytest.approx(0.01, rel=0.011)
-    assert res["masked_a"] / res["tokens"] == pytest.approx(0.01, rel=0.011)
-    assert res["masked_b"] / res["tokens"] == pytest.approx(0.01, rel=0.011)
+        assert res.settings[side].masked_fraction == pytest.approx(0.01, rel=0.011)
+    assert res.masked_a / res.tokens == pytest.approx(0.01, rel=0.011)
+    assert res.masked_b / res.tokens == pytest.approx(0.01, rel=0.011)
 
 
 def drift_log(path: Path, drift_from: int | None, spike_at: int | None, steps: int = 20):
@@ -156,24 +157,24 @@ def drift_log(path: Path, drift_from: int | None, spike_at: int | None, steps: i
 
 def test_drift_flags_the_drifting_steps(tmp_path):
     res = analysis.drift([drift_log(tmp_path / "d.pq", drift_from=15, spike_at=None)])
-    assert res["flagged_steps"] == [15, 16, 17, 18, 19]
-    assert res["spike_steps"] == []
-    assert any("rose" in v["verdict"] for v in res["rules"])
+    assert res.flagged_steps == [15, 16, 17, 18, 19]
+    assert res.spike_steps == []
+    assert any("rose" in v.verdict for v in res.rules)
 
 
 def test_drift_quiet_log_flags_nothing(tmp_path):
     res = analysis.drift([drift_log(tmp_path / "q.pq", drift_from=None, spike_at=None)])
-    assert res["flagged_steps"] == [] and res["spike_steps"] == []
-    assert all(v["verdict"] == "no drift" for v in res["rules"])
+    assert res.flagged_steps == [] and res.spike_steps == []
+    assert all(v.verdict == "no drift" for v in res.rules)
 
 
 def test_drift_lone_heavy_tail_step_is_a_spike(tmp_path):
     res = analysis.drift([drift_log(tmp_path / "s.pq", drift_from=None, spike_at=8)])
-    assert res["flagged_steps"] == [] and res["spike_steps"] == [8]
-    row = next(r for r in res["steps"] if r["step"] == 8)
-    assert row["kl_k3"] > 5 * res["baseline"]["kl_k3"]  # the mean is lifted ...
-    assert row["kl_k3_trimmed"] < 1.5 * res["baseline"]["kl_k3_trimmed"]  # ... the trim is not
-    toks = res["spikes"][0]["tokens"]
+    assert res.flagged_steps == [] and res.spike_steps == [8]
+    row = next(r for r in res.steps if r.step == 8)
+    assert row.kl_k3 > 5 * res.baseline.kl_k3  # the mean is lifted ...
+    assert row.kl_k3_trimmed < 1.5 * res.baseline.kl_k3_trimmed  # ... the trim is not
+    toks = res.spikes[0].tokens
     assert {t["position"] for t in toks[:4]} == {0, 1, 2, 3}
     assert all(t["step"] == 8 and t["sample_id"] == 0 for t in toks[:4])
 
@@ -184,9 +185,81 @@ def test_drift_collapse_signature(tmp_path):
         [drift_log(tmp_path / "c.pq", drift_from=16, spike_at=None)],
         rules=["icepop:low=0.0001,high=10000", "ipo:eps=0.05"],
     )
-    verdicts = {v["rule"]: v["verdict"] for v in res["rules"]}
+    verdicts = {v.rule: v.verdict for v in res.rules}
     assert "collapse signature" in verdicts["icepop:low=0.0001,high=10000"]
     assert verdicts["ipo:eps=0.05"].startswith("rose")
+
+
+def rise_log(path: Path, masked_per_step: int, steps: int = 20, drift_from: int = 15):
+    """k3 climbs ~25x from step `drift_from` on with every ratio inside IcePop's [0.2, 5],
+    except `masked_per_step` tokens per drift step at ratio 0.05: IcePop [0.2, 5] masks 0
+    tokens in the baseline and masked_per_step / 10,000 of each drift step."""
+    rng = np.random.default_rng(3)
+    n = 10_000
+    frames = []
+    for step in range(steps):
+        lq = -rng.exponential(0.3, n)
+        lp = np.minimum(lq + rng.normal(0, 0.1 if step >= drift_from else 0.02, n), 0.0)
+        if step >= drift_from:
+            lp[:masked_per_step] = lq[:masked_per_step] - 3.0
+        frames.append(
+            pl.DataFrame(
+                {
+                    "step": np.full(n, step),
+                    "sample_id": np.repeat(np.arange(100), 100),
+                    "position": np.tile(np.arange(100), 100),
+                    "trainer_logprob": lp,
+                    "inference_logprob": lq,
+                }
+            )
+        )
+    pl.concat(frames).write_parquet(path)
+    return path
+
+
+ICEPOP = "icepop:low=0.2,high=5"
+
+
+@pytest.mark.parametrize(
+    ("per_step", "min_rise", "rose"),
+    [
+        (1, None, False),  # 0 -> 1e-4: x8 but 0.01 percentage points: flat
+        (10, None, True),  # 0 -> 1e-3: rises by 0.1 pp, over the 0.05 pp default floor
+        (1, 5e-5, True),  # the floor is configurable: 1e-4 clears 5e-5 ...
+        (10, 2e-3, False),  # ... and 1e-3 does not clear 2e-3
+        (1, 0.0, True),  # no floor: the ratio alone decides
+    ],
+)
+def test_drift_min_rise_floor(tmp_path, per_step, min_rise, rose):
+    """A rise from a zero baseline to a fraction no one would act on is no rise."""
+    kw = {} if min_rise is None else {"min_rise": min_rise}
+    res = analysis.drift([rise_log(tmp_path / "r.pq", per_step)], rules=[ICEPOP], **kw)
+    assert res.flagged_steps == [15, 16, 17, 18, 19]
+    assert res.min_rise == (5e-4 if min_rise is None else min_rise)
+    (v,) = res.rules
+    assert v.baseline_fraction == 0
+    assert v.drift_fraction == pytest.approx(per_step / 10_000)
+    assert v.rise == pytest.approx(per_step / 10_000)
+    assert v.ratio >= 2  # the ratio alone would call every one of them a rise
+    if rose:
+        assert v.verdict == "rose with the mismatch"
+    else:
+        assert v.verdict == "flat while the mismatch rose (the collapse signature)"
+
+
+def test_cli_drift_min_rise(tmp_path):
+    f = rise_log(tmp_path / "r.pq", 1)
+    r = runner.invoke(app, ["drift", str(f), "-r", ICEPOP, "--json"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["min_rise"] == 5e-4
+    assert d["rules"][0]["verdict"].startswith("flat") and d["rules"][0]["rise"] > 0
+    r = runner.invoke(app, ["drift", str(f), "-r", ICEPOP])
+    assert r.exit_code == 0 and "under --min-rise 0.05%" in " ".join(r.stdout.split())
+    r = runner.invoke(app, ["drift", str(f), "-r", ICEPOP, "--min-rise", "0", "--json"])
+    assert json.loads(r.stdout)["rules"][0]["verdict"] == "rose with the mismatch"
+    r = runner.invoke(app, ["drift", str(f), "--min-rise", "2"])
+    assert r.exit_code == 2
 
 
 runner = CliRunner()
@@ -222,21 +295,22 @@ def test_one_pass_bootstrap_equals_the_engines_replicates(tmp_path, unit):
     """choose's bootstrap on the fused path (a Tally grouped by unit, sub-batch by
     sub-batch) gives exactly the replicates of engine.replay(bootstrap=...) on the simple
     path, sequences spanning sub-batches included; sequence rules from the sequence sums."""
-    from mismatch_replay import engine, io, tables
+    from mismatch_replay import engine, ingest
+    from mismatch_replay.engine import readout as tables
     from mismatch_replay.rules import parse_rule
 
     f = random_log(tmp_path / "log.parquet", 3)
-    plan = io.plan_sources([f])
+    plan = ingest.plan_sources([f])
     specs = ["ipo", "icepop@prime-rl", "kpop@prime-rl", "seq-mis"]
-    jobs = analysis._choice_jobs([parse_rule(r) for r in specs], True)
+    jobs = search.choice_jobs([parse_rule(r) for r in specs], True)
     ref = engine.replay(plan, jobs=jobs, bootstrap=(30, unit, 3), final=True)
     main = engine.replay(plan, jobs=jobs, final=True)
-    old = analysis.SUB_BATCH
-    analysis.SUB_BATCH = 1000  # many sub-batches: 60-token sequences cut across them
+    old = search.SUB_BATCH
+    search.SUB_BATCH = 1000  # many sub-batches: 60-token sequences cut across them
     try:
-        res = analysis._one_pass(plan, jobs, jobs, 30, unit, 3, main, None)
+        res = search.one_pass(plan, jobs, jobs, 30, unit, 3, main, None)
     finally:
-        analysis.SUB_BATCH = old
+        search.SUB_BATCH = old
     for ji in range(len(jobs)):
         counts, tokens = tables.boot_counts(ref, ji)
         assert np.array_equal(res.hits[ji], tables.job_counts(ref, ji)[1])
@@ -247,16 +321,22 @@ def test_one_pass_bootstrap_equals_the_engines_replicates(tmp_path, unit):
 def test_choose_reads_the_log_twice(tmp_path, monkeypatch):
     """The default grids, then one pass for refinement and bootstrap together (m2po aside:
     its steps are ranked whole and refine in passes of their own)."""
-    from mismatch_replay import io
+    import sys
+
+    from mismatch_replay import ingest
 
     f = random_log(tmp_path / "log.parquet", 1)
     reads = []
-    real = io.iter_batches
-    monkeypatch.setattr(io, "iter_batches", lambda *a, **k: reads.append(1) or real(*a, **k))
+    real = ingest.iter_batches
+    for name, mod in list(sys.modules.items()):  # every module that reads through it
+        if name.startswith("mismatch_replay") and getattr(mod, "iter_batches", None) is real:
+            monkeypatch.setattr(
+                mod, "iter_batches", lambda *a, **k: reads.append(1) or real(*a, **k)
+            )
     rows = analysis.choose([f], 0.02, ["ipo", "icepop@prime-rl", "seq-mis"], bootstrap=50)
     assert len(reads) == 2
-    assert all(r["passes"] == 2 for r in rows)
-    assert all(r["ci_low"] is not None for r in rows if r["status"] == "ok")
+    assert all(r.passes == 2 for r in rows)
+    assert all(r.ci_low is not None for r in rows if r.status == "ok")
 
 
 def test_choose_curve_is_exact_around_the_choice(tmp_path):
@@ -264,9 +344,9 @@ def test_choose_curve_is_exact_around_the_choice(tmp_path):
     (row,) = analysis.choose([f], 0.02, ["ipo"], bootstrap=0, curve=True)
     df = pl.read_parquet(f)
     p, q = np.exp(df["trainer_logprob"].to_numpy()), np.exp(df["inference_logprob"].to_numpy())
-    pts = row["curve"]
+    pts = row.curve
     assert 5 <= len(pts) <= analysis.CURVE_POINTS
-    assert [pt["chosen"] for pt in pts].count(True) == 1
-    assert [pt["value"] for pt in pts] == sorted(pt["value"] for pt in pts)  # eps: masking order
+    assert [pt.chosen for pt in pts].count(True) == 1
+    assert [pt.value for pt in pts] == sorted(pt.value for pt in pts)  # eps: masking order
     for pt in pts:
-        assert pt["masked_tokens"] == int((np.abs(p - q) > pt["value"]).sum())
+        assert pt.masked_tokens == int((np.abs(p - q) > pt.value).sum())

@@ -25,7 +25,7 @@ from conftest import assert_tables_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, io
+from mismatch_replay import engine, ingest
 from mismatch_replay.capture import (
     META_KEY,
     CaptureError,
@@ -76,7 +76,7 @@ def _padded(rng: np.random.Generator, rows: int, width: int, side: str):
 
 
 def _read(root) -> pl.DataFrame:
-    return io.read_table([root]).sort("step", "sample_id", "position")
+    return ingest.read_table([root]).sort("step", "sample_id", "position")
 
 
 def _grid_frame(step, lp, lq, mask, adv, sample_base=0) -> pl.DataFrame:
@@ -476,26 +476,26 @@ def test_a_step_without_its_marker_is_skipped_with_a_note(tmp_path):
         for step in range(3):
             w.write(step, lp, lp)
     (step_dir(tmp_path, 1) / "_SUCCESS").unlink()  # as if a rank had not committed yet
-    with pytest.warns(io.IngestWarning, match=r"skipped 1 captured step.*step=1"):
+    with pytest.warns(ingest.IngestWarning, match=r"skipped 1 captured step.*step=1"):
         got = _read(tmp_path)
     assert got["step"].unique().sort().to_list() == [0, 2]
-    report = io.ReadReport()
+    report = ingest.ReadReport()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", io.IngestWarning)
-        io.read_table([tmp_path], report=report)
+        warnings.simplefilter("ignore", ingest.IngestWarning)
+        ingest.read_table([tmp_path], report=report)
         assert any("_SUCCESS" in x for x in report.warnings)
         # the same rule for a glob; --include-unstable reads the step; a file named is read
-        glob = io.read_table([str(tmp_path / "step=*" / "*.parquet")])
+        glob = ingest.read_table([str(tmp_path / "step=*" / "*.parquet")])
         assert glob["step"].unique().sort().to_list() == [0, 2]
-        unstable = io.read_table([tmp_path], io.ReadOptions(include_unstable=True))
+        unstable = ingest.read_table([tmp_path], ingest.ReadOptions(include_unstable=True))
         assert unstable["step"].unique().sort().to_list() == [0, 1, 2]
-        assert io.read_table([rank_file(tmp_path, 1, 0)]).height == 4
+        assert ingest.read_table([rank_file(tmp_path, 1, 0)]).height == 4
     for step in (0, 2):
         (step_dir(tmp_path, step) / "_SUCCESS").unlink()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", io.IngestWarning)
+        warnings.simplefilter("ignore", ingest.IngestWarning)
         with pytest.raises(DataError, match="every captured step is still being written"):
-            io.read_table([tmp_path])
+            ingest.read_table([tmp_path])
 
 
 def test_a_step_is_complete_once_every_rank_has_committed(tmp_path):
@@ -507,8 +507,8 @@ def test_a_step_is_complete_once_every_rank_has_committed(tmp_path):
     assert (step_dir(tmp_path, 0) / "_SUCCESS.rank=0").exists()
     assert not (step_dir(tmp_path, 0) / "_SUCCESS").exists()
     with pytest.raises(DataError, match="still being written"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", io.IngestWarning)
-        io.read_table([tmp_path])
+        warnings.simplefilter("ignore", ingest.IngestWarning)
+        ingest.read_table([tmp_path])
     w1.write(0, lp, lp)
     w1.close()
     w0.close()

@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 from conftest import GOLDEN_LOG
 
-from mismatch_replay import check as chk
+from mismatch_replay.analysis import check as chk
 from mismatch_replay.errors import UsageError
 
 

@@ -112,6 +112,26 @@ def test_sweep_single_setting_json_matches_golden():
         assert col in ipo
 
 
+def test_sweep_reports_each_jobs_path():
+    """--json carries each job's path (fused or simple, and why); --verbose prints it on
+    stderr as a table and leaves stdout as it was."""
+    args = ["sweep", GOLDEN, "-r", "ipo:eps=0.3", "-r", "seq-tis", "--sweep", "eps=0.1,0.3"]
+    d = strict_json(run(*args, "--json").stdout)
+    assert d["paths"] == [
+        {"rule": "ipo", "param": "eps", "path": "fused", "reason": None},
+        {"rule": "seq-tis:cap=2", "param": None, "path": "simple", "reason": "sequence rule"},
+    ]
+    f32 = strict_json(run(*args, "--json", "--precision", "float32").stdout)["paths"]
+    assert [(p["path"], p["reason"]) for p in f32] == [("simple", "float32 replay")] * 2
+    plain_run, verbose = run(*args), run(*args, "--verbose")
+    assert verbose.exit_code == 0, verbose.stderr
+    assert verbose.stdout == plain_run.stdout
+    assert "path of each job" in verbose.stderr and "path of each job" not in plain_run.stderr
+    lines = verbose.stderr.splitlines()
+    assert any(line.split()[:1] == ["ipo"] and "fused" in line for line in lines)
+    assert any("seq-tis:cap=2" in line and "sequence rule" in line for line in lines)
+
+
 def test_sweep_default_runs_every_rule_over_a_100_point_grid(tmp_path):
     out = tmp_path / "all.parquet"
     res = run("sweep", GOLDEN, "-o", out)

@@ -12,10 +12,11 @@ from conftest import GOLDEN_LOG, assert_tables_equal
 from test_adapters import FORMATS, SPECS, write_format
 from typer.testing import CliRunner
 
-from mismatch_replay import convert as conv
-from mismatch_replay import engine, io
+from mismatch_replay import engine, ingest
 from mismatch_replay.cli import app
 from mismatch_replay.errors import DataError, UsageError
+from mismatch_replay.ingest import convert as conv
+from mismatch_replay.ingest import read
 
 pytest.importorskip("torch")
 runner = CliRunner()
@@ -42,10 +43,10 @@ def assert_same_table(a: pl.DataFrame, b: pl.DataFrame) -> None:
 def test_convert_round_trips_every_format(sources, tmp_path, fmt):
     out = tmp_path / "t.parquet"
     s = conv.convert([sources[fmt]], out)
-    assert s["tokens"] == 19598 and s["steps"] == 8 and s["format"] in io.FORMATS
+    assert s["tokens"] == 19598 and s["steps"] == 8 and s["format"] in ingest.FORMATS
     assert s["bytes"] == out.stat().st_size and s["row_groups"] == 1
-    back = io.read_table([out])
-    assert_same_table(io.read_table([sources[fmt]]), back)
+    back = ingest.read_table([out])
+    assert_same_table(ingest.read_table([sources[fmt]]), back)
     meta = pq.ParquetFile(out).metadata
     assert meta.row_group(0).column(0).compression == "ZSTD"
     assert "loss_mask" not in pq.read_schema(out).names  # loss tokens only
@@ -62,13 +63,13 @@ def test_partition_by_step_writes_a_hive_layout_sweep_reads_back(sources, tmp_pa
     want = engine.sweep([GOLDEN_LOG], rules=SPECS).table
     got = engine.sweep([out], rules=SPECS).table
     assert_tables_equal(got, want, rel=1e-12)
-    assert_same_table(io.read_table([sources[fmt]]), io.read_table([out]))
+    assert_same_table(ingest.read_table([sources[fmt]]), ingest.read_table([out]))
 
 
 def test_row_groups_have_the_asked_size(sources, tmp_path):
     out = tmp_path / "rg.parquet"
     s = conv.convert(
-        [sources["nemo-rl"]], out, io.ReadOptions(batch_rows=3000), row_group_rows=5000
+        [sources["nemo-rl"]], out, ingest.ReadOptions(batch_rows=3000), row_group_rows=5000
     )
     meta = pq.ParquetFile(out).metadata
     sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
@@ -104,7 +105,7 @@ def test_existing_outputs_are_refused_unless_force(sources, tmp_path):
 
 @pytest.mark.parametrize("partition_by", [None, "step"])
 def test_an_interrupted_convert_leaves_nothing_behind(sources, tmp_path, monkeypatch, partition_by):
-    real = io.iter_batches
+    real = read.iter_batches
 
     def interrupted(*a, **k):
         for n, item in enumerate(real(*a, **k)):
@@ -112,9 +113,9 @@ def test_an_interrupted_convert_leaves_nothing_behind(sources, tmp_path, monkeyp
                 raise KeyboardInterrupt
             yield item
 
-    monkeypatch.setattr(io, "iter_batches", interrupted)
+    monkeypatch.setattr(read, "iter_batches", interrupted)
     out = tmp_path / ("t.parquet" if partition_by is None else "parts")
-    opts = io.ReadOptions(batch_rows=1000)
+    opts = ingest.ReadOptions(batch_rows=1000)
     with pytest.raises(KeyboardInterrupt):
         conv.convert([sources["prime-rl"]], out, opts, partition_by=partition_by)
     assert list(tmp_path.iterdir()) == []  # no target, no temporary
@@ -146,7 +147,7 @@ def test_a_failed_convert_leaves_nothing_and_names_the_problem(tmp_path):
         conv.convert([tmp_path / "n.parquet"], tmp_path / "out.parquet")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.parquet", "n.parquet"]
     s = conv.convert(
-        [tmp_path / "n.parquet"], tmp_path / "out.parquet", io.ReadOptions(drop_invalid=True)
+        [tmp_path / "n.parquet"], tmp_path / "out.parquet", ingest.ReadOptions(drop_invalid=True)
     )
     assert s["tokens"] == 1 and s["dropped_rows"] == 1
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_tables_equal, random_log, write_log
 from typer.testing import CliRunner
 
-from mismatch_replay import engine, io
+from mismatch_replay import engine, ingest
 from mismatch_replay.errors import UsageError
 
 ray = pytest.importorskip("ray")
@@ -19,7 +19,7 @@ WORKERS = 3
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    from mismatch_replay import distributed
+    from mismatch_replay.engine import ray as distributed
 
     started = not ray.is_initialized()
     distributed.init(num_cpus=WORKERS)
@@ -82,7 +82,7 @@ def test_ray_engine_with_small_batches_and_one_file_per_worker(tmp_path):
     rng = np.random.default_rng(23)
     df = random_log(rng, steps=2, seqs=6, max_len=30)
     d = _split(tmp_path, df, WORKERS)
-    opts = io.ReadOptions(batch_rows=17)
+    opts = ingest.ReadOptions(batch_rows=17)
     rules = ["ipo", "icepop@verl", "seq-mis@verl", "m2po", "tis"]
     local = engine.sweep([d], rules=rules, options=opts)
     on_ray = engine.sweep([d], rules=rules, options=opts, engine="ray")
@@ -115,13 +115,13 @@ def test_cli_sweep_engine_ray(tmp_path):
 def test_one_large_file_is_split_by_row_groups_with_identical_results(tmp_path):
     """A single Parquet file of 6 row groups: shards of row-group runs cover every row once,
     in order, and the Ray engine (2 tasks per CPU) gives the local engine's tables."""
-    from mismatch_replay import distributed
+    from mismatch_replay.engine import ray as distributed
 
     rng = np.random.default_rng(25)
     df = random_log(rng, steps=4, seqs=10, max_len=40)
     path = tmp_path / "one.parquet"
     df.write_parquet(path, row_group_size=-(-df.height // 6))
-    plan = io.plan_sources([path])
+    plan = ingest.plan_sources([path])
     parts = distributed.shards(plan, per_file=4)
     assert len(parts) == 4
     assert [p.row_groups[0] for p, _ in parts] == [(0, 1), (1, 3), (3, 4), (4, 6)]

@@ -24,7 +24,7 @@ from conftest import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, io, kernels
+from mismatch_replay import engine, fast, ingest
 from mismatch_replay.errors import DataError, UsageError
 from mismatch_replay.rules import REGISTRY
 
@@ -199,10 +199,10 @@ def test_split_files_and_tiny_batches_give_identical_tables(tmp_path, by, kernel
         write_log(tmp_path / "split" / f"part{i}.parquet", p)
     base = engine.sweep([one], by=by)
     variants = {
-        "tiny batches": engine.sweep([one], by=by, options=io.ReadOptions(batch_rows=7)),
+        "tiny batches": engine.sweep([one], by=by, options=ingest.ReadOptions(batch_rows=7)),
         "split dir": engine.sweep([tmp_path / "split"], by=by),
         "split glob, batches of 3": engine.sweep(
-            [str(tmp_path / "split" / "*.parquet")], by=by, options=io.ReadOptions(batch_rows=3)
+            [str(tmp_path / "split" / "*.parquet")], by=by, options=ingest.ReadOptions(batch_rows=3)
         ),
     }
     keys = ("rule", "setting", "param", "value", *([by] if by else []))
@@ -481,7 +481,7 @@ def test_step_bounds_come_from_row_group_statistics(tmp_path, order):
         df = df.sample(fraction=1.0, shuffle=True, seed=3)
     a = _row_grouped(tmp_path / "a.parquet", df.head(70), 16)
     b = _row_grouped(tmp_path / "b.parquet", df.slice(70), 25)
-    ends, floors = io.step_bounds(io.plan_sources([a, b]))
+    ends, floors = ingest.step_bounds(ingest.plan_sources([a, b]))
     e1, f1 = _floors_from_rows(df["step"].to_numpy()[:70], 16)
     e2, f2 = _floors_from_rows(df["step"].to_numpy()[70:], 25)
     rest = float(df["step"].to_numpy()[70:].min())
@@ -492,15 +492,15 @@ def test_step_bounds_come_from_row_group_statistics(tmp_path, order):
 def test_step_bounds_unknown_without_statistics_or_parquet(tmp_path):
     df = random_log(np.random.default_rng(32), steps=3, seqs=3)
     bare = _row_grouped(tmp_path / "bare.parquet", df, 10, stats=False)
-    assert io.step_bounds(io.plan_sources([bare])) is None
+    assert ingest.step_bounds(ingest.plan_sources([bare])) is None
     jl = tmp_path / "log.jsonl"
     jl.write_text("\n".join(df.drop("env").write_ndjson().splitlines()) + "\n")
-    assert io.step_bounds(io.plan_sources([jl])) is None
+    assert ingest.step_bounds(ingest.plan_sources([jl])) is None
     hive = tmp_path / "hive"
     for s in (2, 1):  # no step column: the directories' steps, in the plan's file order
         write_log(hive / f"step={s}" / "part.parquet", df.filter(pl.col("step") == s).drop("step"))
-    plan = io.plan_sources([hive])
-    ends, floors = io.step_bounds(plan)
+    plan = ingest.plan_sources([hive])
+    ends, floors = ingest.step_bounds(plan)
     steps = list(plan.file_steps)
     assert floors == [float(min(steps[1:])), math.inf] and ends[-1] == sum(plan.rows)
 
@@ -517,7 +517,7 @@ def test_final_replay_resolves_m2po_steps_on_the_way(tmp_path, order, by, monkey
     path = _row_grouped(tmp_path / "log.parquet", df, 40)
     rules = ["m2po", "ipo", "seq-mis"]
     sweeps = {"m2po.tau": "0.0001:1:60:log"}
-    opts = io.ReadOptions(batch_rows=33)  # batches end inside row groups
+    opts = ingest.ReadOptions(batch_rows=33)  # batches end inside row groups
     kw = dict(rules=rules, sweeps=sweeps, by=by, options=opts)
     at_end = engine.replay([path], **kw)
     held = []  # tokens in the store at each resolution that took steps
@@ -537,7 +537,7 @@ def test_final_replay_resolves_m2po_steps_on_the_way(tmp_path, order, by, monkey
     assert len(on_way.m2po_sealed) == 6 and on_way.m2po.tokens == 0  # all, by the end
     keys = ("rule", "setting", "param", "value", *([by] if by else []))
     assert_tables_equal(at_end.result().table, on_way.result().table, keys=keys)
-    with kernels.use_backend("numpy"):
+    with fast.use_backend("numpy"):
         simple = engine.replay([path], **kw, final=True)
     assert_tables_equal(simple.result().table, on_way.result().table, keys=keys)
 
@@ -545,7 +545,7 @@ def test_final_replay_resolves_m2po_steps_on_the_way(tmp_path, order, by, monkey
 def test_final_replay_with_prime_rl_matching(tmp_path):
     df = random_log(np.random.default_rng(34), steps=4, seqs=5).sort("step", maintain_order=True)
     path = _row_grouped(tmp_path / "log.parquet", df, 30)
-    kw = dict(rules=["m2po"], match="prime-rl", options=io.ReadOptions(batch_rows=25))
+    kw = dict(rules=["m2po"], match="prime-rl", options=ingest.ReadOptions(batch_rows=25))
     a = engine.replay([path], **kw).result().table
     b = engine.replay([path], **kw, final=True).result().table
     assert b["is_masked_mean"].is_not_null().any()
@@ -556,7 +556,7 @@ def test_adding_final_tallies(tmp_path):
     df = random_log(np.random.default_rng(35), steps=4, seqs=4).sort("step", maintain_order=True)
     early = _row_grouped(tmp_path / "a.parquet", df.filter(pl.col("step") < 2), 20)
     late = _row_grouped(tmp_path / "b.parquet", df.filter(pl.col("step") >= 2), 20)
-    kw = dict(rules=["m2po", "ipo"], options=io.ReadOptions(batch_rows=15))
+    kw = dict(rules=["m2po", "ipo"], options=ingest.ReadOptions(batch_rows=15))
     both = engine.replay([early, late], **kw).result().table
     added = engine.replay([early], **kw, final=True) + engine.replay([late], **kw, final=True)
     assert_tables_equal(both, added.result().table, keys=("rule", "setting", "param", "value"))
@@ -569,7 +569,7 @@ def test_adding_final_tallies(tmp_path):
 def test_final_replay_resolves_spilled_m2po_steps(tmp_path, monkeypatch):
     df = random_log(np.random.default_rng(36), steps=5, seqs=4).sort("step", maintain_order=True)
     path = _row_grouped(tmp_path / "log.parquet", df, 30)
-    kw = dict(rules=["m2po"], options=io.ReadOptions(batch_rows=20))
+    kw = dict(rules=["m2po"], options=ingest.ReadOptions(batch_rows=20))
     base = engine.replay([path], **kw).result().table
     monkeypatch.setenv("MISMATCH_REPLAY_M2PO_MEMORY", "0.0005")  # ~500 bytes: spills
     t = engine.replay([path], **kw, final=True)
@@ -582,9 +582,125 @@ def test_final_replay_resolves_spilled_m2po_steps(tmp_path, monkeypatch):
 def test_sweep_table_is_every_job_frame_in_order(tmp_path, by):
     """The table is built from every job's columns at once: the same rows, order and types as
     each job's own frame, one after another."""
-    from mismatch_replay import tables
+    from mismatch_replay.engine import readout as tables
 
     path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(37), steps=3))
     t = engine.replay([path], by=by, final=True)
     frames = [tables.job_frame(t, ji) for ji in range(len(t.jobs))]
     assert tables.sweep_table(t).equals(pl.concat(frames, how="vertical_relaxed"))
+
+
+# ----------------------------------------------------------------------------- paths, buffers
+
+
+def test_each_jobs_path_is_on_the_result(tmp_path):
+    """`SweepResult.paths`: one entry per job in job order, the rule without its swept
+    parameter, the parameter, the path and why it is not fused."""
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(43), steps=2))
+    rules = ["ipo", "icepop", "seq-mis", "m2po", "kpop"]
+    res = engine.sweep(
+        [path], rules=rules, sweeps={"ipo.eps": "0.1,0.2", "kpop.clamp": "1e-6,1e-4"}
+    )
+    jobs = res.tally.jobs
+    assert len(res.paths) == len(jobs)
+    for p, job in zip(res.paths, jobs, strict=True):
+        assert set(p) == {"rule", "param", "path", "reason"}
+        assert p["rule"].split(":")[0].split("@")[0] == job.rule.name
+        assert (p["path"] == "fused") == (p["reason"] is None)
+    by_rule = {p["rule"].split(":")[0]: p for p in res.paths}
+    assert by_rule["ipo"]["param"] == "eps" and by_rule["ipo"]["rule"] == "ipo"
+    assert by_rule["icepop"]["param"] is None  # a single setting
+    assert [p["param"] for p in res.paths if p["rule"].startswith("kpop")] == ["clamp"] * 2
+    assert by_rule["seq-mis"]["path"] == "simple" and "sequence" in by_rule["seq-mis"]["reason"]
+    assert by_rule["m2po"]["path"] == "simple" and "step" in by_rule["m2po"]["reason"]
+    if fast.backend() == "numba":
+        assert by_rule["ipo"]["path"] == "fused"
+    with fast.use_backend("numpy"):
+        simple = engine.sweep([path], rules=rules)
+    assert {p["path"] for p in simple.paths} == {"simple"}
+    assert {p["reason"] for p in simple.paths} == {"MISMATCH_REPLAY_KERNEL=numpy"}
+    boot = engine.replay([path], rules=["ipo"], bootstrap=(4, "step", 0)).result()
+    assert boot.paths[0]["path"] == "simple" and "bootstrap" in boot.paths[0]["reason"]
+
+
+def test_ray_style_merge_keeps_the_shards_paths(tmp_path):
+    """A Tally that only absorbed others (the Ray driver's) reports the shards' paths."""
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(44), steps=2))
+    shard = engine.replay([path], rules=["ipo", "seq-mis"])
+    merged = engine.Tally(shard.jobs, None, has_seq=shard.has_seq)
+    merged.absorb(shard)
+    assert merged.result().paths == shard.result().paths
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_batch_buffers_are_reused_and_m2po_keeps_its_own(tmp_path, final):
+    """A batch's sequence ids live in scratch that the next batch reuses, while m2po's store
+    keeps the ids of its tokens (and their l^2 and |dp|) until the step is resolved, so the
+    store copies what it keeps: a reused buffer must never overwrite what it holds. The
+    numpy path gives the same table."""
+    import pyarrow.parquet as pq
+
+    df = random_log(np.random.default_rng(41), steps=5, seqs=6, max_len=40)
+    df = df.sort("step", maintain_order=True)
+    path = tmp_path / "log.parquet"
+    pq.write_table(df.to_arrow(), path, row_group_size=30)
+    kw = dict(rules=["m2po", "ipo", "seq-mis"], options=ingest.ReadOptions(batch_rows=20))
+    got = engine.replay([path], final=final, **kw)
+    with fast.use_backend("numpy"):
+        simple = engine.replay([path], final=final, **kw)
+    keys = ("rule", "setting", "param", "value")
+    assert_tables_equal(simple.result().table, got.result().table, keys=keys)
+
+
+def test_sequence_ids_are_scratch_reused_batch_after_batch():
+    """Sequences.codes hands out arrays of its own, reused by the next batch."""
+    df = pl.DataFrame({"step": [0, 0, 0, 1, 1, 1], "sample_id": [1, 1, 2, 1, 3, 3]})
+    seqs = engine.Tally([], None, has_seq=True).sequences
+    a, _ = seqs.codes(df[:3])
+    assert a.tolist() == [0, 0, 1]
+    b, _ = seqs.codes(df[3:])
+    assert b.tolist() == [2, 3, 3]
+    if fast.backend() == "numba":  # the numpy path computes fresh ids from its runs
+        assert np.shares_memory(a, b)
+
+
+def test_m2po_store_copies_into_slabs_it_reuses():
+    """The store keeps copies of what it is given, in slabs of its own: a released slab (its
+    steps popped and their leases released, or spilled) serves the next batch, one still
+    viewed by an unresolved step never does."""
+    store = engine.M2POStore()
+    x = np.arange(6, dtype=np.float64)
+    store.add(np.array([0, 0, 0, 1, 1, 1]), x, x + 10, None, np.arange(6))
+    x[:] = -1  # the caller reuses its array: the store's copy is untouched
+    (x0, m0, _, q0), lease0 = store.pop(0)
+    assert x0.tolist() == [0.0, 1.0, 2.0] and m0.tolist() == [10.0, 11.0, 12.0]
+    assert q0.tolist() == [0, 1, 2]
+    store.add(np.array([2, 2]), np.array([7.0, 8.0]), np.array([0.5, 0.5]), None, np.arange(2))
+    assert x0.tolist() == [0.0, 1.0, 2.0]  # step 0 not released: its slab not reused
+    lease0.release()
+    (x1, _, _, _), lease1 = store.pop(1)  # the first slab's last step
+    assert x1.tolist() == [3.0, 4.0, 5.0]
+    lease1.release()
+    lease1.release()  # idempotent
+    store.add(np.array([3]), np.array([9.0]), np.array([1.0]), None, np.arange(1))
+    assert np.shares_memory(store.step(3)[0], x0)  # the first slab, free again, reused
+    assert store.step(2)[0].tolist() == [7.0, 8.0]
+    assert store.tokens == 3
+
+
+def test_sequence_sums_follow_the_statistics_table(tmp_path):
+    """Every statistic of rules.SEQ_STATS is kept per sequence and handed to the rules, and
+    the fused path's sums are the simple path's."""
+    from mismatch_replay.engine.sequences import SUMS
+    from mismatch_replay.rules import SEQ_STATS
+
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(45), steps=3))
+    assert {s.name for s in SEQ_STATS} <= {s.name for s in SUMS}
+    t = engine.replay([path], rules=["seq-mis@verl"])
+    st = t.seq_stats()
+    for s in SEQ_STATS:
+        assert getattr(st, s.name).shape == (len(t.seq_keys),), s.name
+    with fast.use_backend("numpy"):
+        ref = engine.replay([path], rules=["seq-mis@verl"]).seq_stats()
+    for s in SEQ_STATS:
+        np.testing.assert_allclose(getattr(st, s.name), getattr(ref, s.name), rtol=1e-12)

@@ -21,13 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import SETTINGS
 
-from mismatch_replay import engine, io, kernels
+from mismatch_replay import engine, fast, ingest
+from mismatch_replay.engine.readout import GROUP_COLUMNS, group_label, length_label
 from mismatch_replay.errors import DataError, UsageError
 from mismatch_replay.rules import REGISTRY
-from mismatch_replay.tables import GROUP_COLUMNS, group_label, length_label
 
 COUNT_COLUMNS = ("tokens", "masked_tokens", "truncated_tokens", "sequences", "masked_sequences")
-BACKENDS = ["numpy"] + (["numba"] if kernels.backend() == "numba" else [])
+BACKENDS = ["numpy"] + (["numba"] if fast.backend() == "numba" else [])
 
 
 def _rules():
@@ -84,7 +84,7 @@ def brute_groups(df: pl.DataFrame, name: str, by: str | None = None) -> dict:
 
 
 def _sweep(path, by=None, backend="numpy", **kw):
-    with kernels.use_backend(backend):
+    with fast.use_backend(backend):
         return engine.sweep([path], rules=_rules(), by=by, **kw).table
 
 
@@ -140,7 +140,7 @@ def test_length_buckets_match_brute_force(backend):
     _check_length(df, backend)
     # interleaved sequences read in tiny batches: a sequence's tokens in many batches
     mixed = df.sample(fraction=1.0, shuffle=True, seed=2)
-    _check_length(mixed, backend, options=io.ReadOptions(batch_rows=5))
+    _check_length(mixed, backend, options=ingest.ReadOptions(batch_rows=5))
 
 
 @settings(max_examples=40, deadline=None)
@@ -242,7 +242,7 @@ def test_fully_masked_groups_match_brute_force(backend, by):
     mixed = _add_groups(df.drop("group_id"), rng, per_row=True).sample(
         fraction=1.0, shuffle=True, seed=1
     )
-    _check_groups(mixed, backend, by, options=io.ReadOptions(batch_rows=4))
+    _check_groups(mixed, backend, by, options=ingest.ReadOptions(batch_rows=4))
 
 
 @settings(max_examples=40, deadline=None)
@@ -299,13 +299,13 @@ def test_group_columns_null_where_undefined(tmp_path):
 
 
 def test_masked_by_length_figure(tmp_path):
-    from mismatch_replay import plots
+    from mismatch_replay import viz
 
     df = length_demo_log(np.random.default_rng(1), per_bucket=16)
     path = write_log(tmp_path / "demo.parquet", df)
     specs = ["seq-mis:low=0.5,high=2", "geo-mis:low=0.98,high=1.02", "tis:cap=1.5"]
     t = engine.sweep([path], rules=specs, by="length").table
-    fig = plots.masked_by_length(t)
+    fig = viz.masked_by_length(t)
     ax = fig.axes[0]
     lines = {ln.get_gid(): ln for ln in ax.get_lines() if ln.get_gid()}
     for spec in t["spec"].unique().to_list():
@@ -315,10 +315,10 @@ def test_masked_by_length_figure(tmp_path):
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     assert "length" in ax.get_xlabel() and "masked" in ax.get_ylabel()
     assert "floor" in lines  # seq-mis masks nothing among short sequences: drawn on the floor
-    seq = plots.masked_by_length(t, column="masked_sequence_fraction").axes[0]
+    seq = viz.masked_by_length(t, column="masked_sequence_fraction").axes[0]
     assert not any("tis" in (ln.get_gid() or "") for ln in seq.get_lines())  # weight: none
     with pytest.raises(UsageError):
-        plots.masked_by_length(t.drop("length"))
+        viz.masked_by_length(t.drop("length"))
 
 
 def test_cli_shows_groups_and_json_carries_nulls(tmp_path):
@@ -358,7 +358,7 @@ def test_length_counts_the_rows_drop_invalid_keeps(tmp_path, backend):
     adv = np.where(bad, np.nan, df["advantage"].to_numpy())
     dirty = df.with_columns(pl.Series("advantage", adv))
     path = write_log(tmp_path / "dirty.parquet", dirty)
-    opts = io.ReadOptions(drop_invalid=True)
+    opts = ingest.ReadOptions(drop_invalid=True)
     t = _sweep(path, by="length", backend=backend, options=opts)
     clean = df.filter(pl.Series(~bad))
     for name in SETTINGS:

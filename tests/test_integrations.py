@@ -289,11 +289,11 @@ def chosen():
 def test_round_trip_config_replay_choose_emit(name, chosen, tmp_path):
     cfg, rows = chosen[name]
     fw = get_framework(cfg.framework)
-    usable = [r for r in rows if r["status"] != "out of range"]
+    usable = [r for r in rows if r.status != "out of range"]
     assert usable, rows
     for syntax in fw.syntaxes:
         for row in usable:
-            want = parse_rule(row["spec"])
+            want = parse_rule(row.spec)
             text = config_out.emit(cfg.framework, [row], base=cfg, syntax=syntax)
             assert text.startswith("# mismatch-replay choose: ")
             # read back alone: the emitted block is self-contained
@@ -366,13 +366,13 @@ def test_emit_skips_rows_without_a_threshold():
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """A real report of the golden log, and its ReportOutputs (figures, sweep, series)."""
-    from mismatch_replay import pipeline
+    from mismatch_replay.viz import jobs
 
     d = tmp_path_factory.mktemp("report")
-    pipeline.report([GOLDEN], d, command="mismatch-replay report golden", bootstrap=0)
+    jobs.report([GOLDEN], d, command="mismatch-replay report golden", bootstrap=0)
     data = analysis.figure_data([GOLDEN])
     out = outputs.collect(d, data, command="mismatch-replay report golden")
-    out.choose = analysis.choose([GOLDEN], 0.0025, ["ipo"], bootstrap=0)
+    out.choose = [c.to_dict() for c in analysis.choose([GOLDEN], 0.0025, ["ipo"], bootstrap=0)]
     return d, data, out
 
 
@@ -573,7 +573,7 @@ def test_cli_choose_from_config_emit_round_trip(tmp_path):
     over.write_text(res.stdout)
     back = config_in.read_config(over)
     (row,) = analysis.choose([GOLDEN], 0.02, ["ipo@prime-rl:eps=0.2"], bootstrap=0)
-    assert back.specs() == [row["spec"]]
+    assert back.specs() == [row.spec]
     bad = _cli("choose", GOLDEN, "-t", "0.02", "--emit", "slime:yaml")
     assert bad.exit_code == 2 and "written as cli" in bad.stderr
 

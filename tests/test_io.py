@@ -12,28 +12,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, io, kernels
+from mismatch_replay import engine, fast, ingest
 from mismatch_replay.errors import DataError, UsageError
+from mismatch_replay.ingest import canonical, read, sources
 
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
 
 
 def test_canonical_log_reads_back_unchanged():
     raw = pl.read_parquet(GOLDEN).filter("loss_mask")
-    got = io.read_table([GOLDEN])
+    got = ingest.read_table([GOLDEN])
     assert got.height == raw.height == 19598
     cols = ["step", "sample_id", "position", "trainer_logprob", "inference_logprob", "advantage"]
     assert got.select(cols).equals(raw.select(cols))
 
 
 def test_projection_reads_only_what_is_asked():
-    got = io.read_table([GOLDEN], columns=["trainer_logprob", "inference_logprob"])
+    got = ingest.read_table([GOLDEN], columns=["trainer_logprob", "inference_logprob"])
     assert set(got.columns) == {"trainer_logprob", "inference_logprob", "step"}
 
 
 def test_batch_size_does_not_change_the_table():
-    a = io.read_table([GOLDEN])
-    b = io.read_table([GOLDEN], io.ReadOptions(batch_rows=777))
+    a = ingest.read_table([GOLDEN])
+    b = ingest.read_table([GOLDEN], ingest.ReadOptions(batch_rows=777))
     assert a.equals(b)
 
 
@@ -56,7 +57,7 @@ class _Meta:
 def test_group_runs_cover_every_group_once_and_fit_the_batch(sizes, batch, data):
     lo = data.draw(st.integers(0, len(sizes)), label="first group")
     hi = data.draw(st.integers(lo, len(sizes)), label="end")
-    runs = list(io._group_runs(_Meta(sizes), range(lo, hi), batch))
+    runs = list(read._group_runs(_Meta(sizes), range(lo, hi), batch))
     flat = [g for r in runs for g in (r if isinstance(r, list) else [r])]
     assert flat == list(range(lo, hi))  # every group, once, in order
     for k, r in enumerate(runs):
@@ -83,11 +84,11 @@ def test_mixed_row_groups_read_every_row_in_order(tmp_path, batch):
         for size in (3, 1, 50, 2, 2, 120, 9, 0, 213):
             w.write_table(raw.slice(off, size).to_arrow(), size or 1)
             off += size
-    opts = io.ReadOptions(batch_rows=batch)
-    plan = io.plan_sources([path], opts)
-    heights = [df.height for _, df in io.iter_batches(plan)]
+    opts = ingest.ReadOptions(batch_rows=batch)
+    plan = ingest.plan_sources([path], opts)
+    heights = [df.height for _, df in ingest.iter_batches(plan)]
     assert max(heights) <= batch and sum(heights) == 400
-    got = io.read_table([path], opts)
+    got = ingest.read_table([path], opts)
     cols = ["step", "sample_id", "position", "trainer_logprob", "inference_logprob"]
     assert got.select(cols).equals(raw.select(cols))
 
@@ -130,7 +131,7 @@ def test_list_columns_with_trainer_names_give_identical_counts(tmp_path, names):
     src = pl.read_parquet(GOLDEN)
     lists = _as_lists(src, names)
     lists.write_parquet(tmp_path / "lists.parquet")
-    plan = io.plan_sources([tmp_path / "lists.parquet"])
+    plan = ingest.plan_sources([tmp_path / "lists.parquet"])
     assert plan.per_sequence and plan.source["trainer_logprob"] == names["trainer_logprob"]
     specs = ["ipo:eps=0.05", "icepop@prime-rl", "seq-mis@verl", "opsm:delta=0.005", "m2po"]
     a = engine.sweep([GOLDEN], rules=specs).table
@@ -146,7 +147,7 @@ def test_list_layout_without_ids_numbers_sequences_and_positions(tmp_path):
     pl.DataFrame({"trainer_logprobs": [[-0.5]], "inference_logprobs": [[-0.4]]}).write_parquet(
         tmp_path / "b.parquet"
     )
-    t = io.read_table([tmp_path / "a.parquet", tmp_path / "b.parquet"])
+    t = ingest.read_table([tmp_path / "a.parquet", tmp_path / "b.parquet"])
     assert t["sample_id"].to_list() == [0, 0, 1, 2]
     assert t["position"].to_list() == [0, 1, 0, 0]
 
@@ -155,9 +156,9 @@ def test_probability_columns_detected_by_name(tmp_path):
     pl.DataFrame({"trainer_probs": [0.5, 1.0], "inference_probs": [0.25, 1.0]}).write_parquet(
         tmp_path / "p.parquet"
     )
-    plan = io.plan_sources([tmp_path / "p.parquet"])
+    plan = ingest.plan_sources([tmp_path / "p.parquet"])
     assert plan.probs == {"trainer_logprob", "inference_logprob"}
-    t = io.read_table(plan)
+    t = ingest.read_table(plan)
     np.testing.assert_allclose(t["trainer_logprob"], [math.log(0.5), 0.0])
     np.testing.assert_allclose(t["inference_logprob"], [math.log(0.25), 0.0])
 
@@ -170,7 +171,7 @@ def test_loss_mask_false_rows_are_ignored_even_when_invalid(tmp_path):
             "loss_mask": [False, True, False],
         }
     ).write_parquet(tmp_path / "m.parquet")
-    t = io.read_table([tmp_path / "m.parquet"])
+    t = ingest.read_table([tmp_path / "m.parquet"])
     assert t.height == 1
 
 
@@ -179,9 +180,11 @@ def test_map_to_a_column_that_is_not_there(tmp_path):
         tmp_path / "x.parquet"
     )
     with pytest.raises(DataError, match="names column 'nope'"):
-        io.plan_sources([tmp_path / "x.parquet"], io.ReadOptions(mapping={"advantage": "nope"}))
+        ingest.plan_sources(
+            [tmp_path / "x.parquet"], ingest.ReadOptions(mapping={"advantage": "nope"})
+        )
     with pytest.raises(UsageError, match="not a canonical column"):
-        io.plan_sources([tmp_path / "x.parquet"], io.ReadOptions(mapping={"bogus": "x"}))
+        ingest.plan_sources([tmp_path / "x.parquet"], ingest.ReadOptions(mapping={"bogus": "x"}))
 
 
 def test_invalid_rows_error_counts_the_whole_file(tmp_path):
@@ -192,10 +195,13 @@ def test_invalid_rows_error_counts_the_whole_file(tmp_path):
         tmp_path / "big.parquet"
     )
     with pytest.raises(DataError, match=r"3 of 5,000 loss rows are NaN"):
-        io.read_table([tmp_path / "big.parquet"], io.ReadOptions(batch_rows=100))
-    report = io.ReadReport()
-    t = io.read_table(
-        [tmp_path / "big.parquet"], io.ReadOptions(batch_rows=100, drop_invalid=True), None, report
+        ingest.read_table([tmp_path / "big.parquet"], ingest.ReadOptions(batch_rows=100))
+    report = ingest.ReadReport()
+    t = ingest.read_table(
+        [tmp_path / "big.parquet"],
+        ingest.ReadOptions(batch_rows=100, drop_invalid=True),
+        None,
+        report,
     )
     assert t.height == n - 3 and report.dropped_rows == 3
 
@@ -205,12 +211,12 @@ def test_sources_deduplicate_and_keep_order(tmp_path):
         pl.DataFrame({"trainer_logprob": [-0.1], "inference_logprob": [-0.2]}).write_parquet(
             tmp_path / f"{name}.parquet"
         )
-    files = io.resolve_sources([tmp_path / "b.parquet", tmp_path, str(tmp_path / "*.parquet")])
+    files = ingest.resolve_sources([tmp_path / "b.parquet", tmp_path, str(tmp_path / "*.parquet")])
     assert [f.name for f in files] == ["b.parquet", "a.parquet"]
     with pytest.raises(UsageError):
-        io.resolve_sources([])
+        ingest.resolve_sources([])
     with pytest.raises(DataError, match="matches no file"):
-        io.resolve_sources([str(tmp_path / "*.nothing")])
+        ingest.resolve_sources([str(tmp_path / "*.nothing")])
 
 
 # ----------------------------------------------------------------------------- object stores
@@ -233,20 +239,20 @@ def test_uris_pass_through_to_pyarrow_filesystems(tmp_path):
     root = _store(tmp_path)
     local = engine.sweep([root], rules=["ipo", "tis"])
     for uri in (f"file://{root}", f"file://{root}/**.parquet"):
-        plan = io.plan_sources([uri])
+        plan = ingest.plan_sources([uri])
         assert [str(f) for f in plan.files] == [
             f"file://{root}/a.parquet",
             f"file://{root}/step=9/b.parquet",
         ]
         remote = engine.sweep([uri], rules=["ipo", "tis"])
         assert remote.table.equals(local.table)
-    one = io.plan_sources([f"file://{root}/a.parquet"])
+    one = ingest.plan_sources([f"file://{root}/a.parquet"])
     assert one.rows == (7000,)
 
 
 def test_s3_uris_open_through_the_filesystem_pyarrow_returns(tmp_path, monkeypatch):
     """s3://bucket/key: resolved, listed, read and pickled (Ray) through the filesystem that
-    pyarrow.fs.FileSystem.from_uri gives (io.filesystem_from_uri; here a local stand-in for
+    pyarrow.fs.FileSystem.from_uri gives (sources.filesystem_from_uri; here a local stand-in for
     S3: no network in tests)."""
     import pickle
 
@@ -260,8 +266,8 @@ def test_s3_uris_open_through_the_filesystem_pyarrow_returns(tmp_path, monkeypat
         assert uri.startswith("s3://")
         return pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()), uri[5:]
 
-    monkeypatch.setattr(io, "filesystem_from_uri", from_uri)
-    plan = io.plan_sources(["s3://bucket/runs/"])
+    monkeypatch.setattr(sources, "filesystem_from_uri", from_uri)
+    plan = ingest.plan_sources(["s3://bucket/runs/"])
     assert seen == ["s3://bucket/runs/"]
     assert [str(f) for f in plan.files] == [
         "s3://bucket/runs/a.parquet",
@@ -278,29 +284,29 @@ def test_s3_uris_open_through_the_filesystem_pyarrow_returns(tmp_path, monkeypat
 def test_uri_errors_name_the_location_and_the_fix(tmp_path):
     root = _store(tmp_path)
     with pytest.raises(DataError, match="cannot open this location"):
-        io.plan_sources(["nosuchscheme://bucket/x"])
+        ingest.plan_sources(["nosuchscheme://bucket/x"])
     with pytest.raises(DataError, match="no such object or prefix"):
-        io.plan_sources([f"file://{root}/missing"])
+        ingest.plan_sources([f"file://{root}/missing"])
     with pytest.raises(DataError, match="glob matches no object"):
-        io.plan_sources([f"file://{root}/*.csv"])
+        ingest.plan_sources([f"file://{root}/*.csv"])
     with pytest.raises(DataError, match="must be Parquet"):
-        io.plan_sources([f"file://{root}/notes.txt"])
+        ingest.plan_sources([f"file://{root}/notes.txt"])
     with pytest.raises(UsageError, match="local files only"):
-        io.plan_sources([f"file://{root}"], io.ReadOptions(format="jsonl"))
+        ingest.plan_sources([f"file://{root}"], ingest.ReadOptions(format="jsonl"))
 
 
 def test_row_group_ranges_read_exactly_their_rows(tmp_path):
     raw = pl.read_parquet(GOLDEN)
     path = tmp_path / "log.parquet"
     raw.write_parquet(path, row_group_size=3000)
-    sizes = io.row_group_rows(path)
+    sizes = ingest.row_group_rows(path)
     assert len(sizes) == 7 and sum(sizes) == raw.height
-    plan = io.plan_sources([path])
+    plan = ingest.plan_sources([path])
     parts = []
     for a, b in ((0, 2), (2, 5), (5, 7)):
         sub = replace(plan, row_groups=((a, b),), rows=(sum(sizes[a:b]),))
-        parts.append(pl.concat([df for _, df in io.iter_batches(sub)]))
-    assert pl.concat(parts).equals(pl.concat([df for _, df in io.iter_batches(plan)]))
+        parts.append(pl.concat([df for _, df in ingest.iter_batches(sub)]))
+    assert pl.concat(parts).equals(pl.concat([df for _, df in ingest.iter_batches(plan)]))
 
 
 SPECIAL = [0.0, -0.0, 1e-7, 1e-6, 2e-6, -1.0, -1e300, 5e-324, math.nan, math.inf, -math.inf]
@@ -309,7 +315,7 @@ SPECIAL = [0.0, -0.0, 1e-7, 1e-6, 2e-6, -1.0, -1e300, 5e-324, math.nan, math.inf
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_quick_check_agrees_with_the_full_validation(data):
-    """io._quick_check (one pass per column) says clean exactly when no row would be flagged
+    """canonical.quick_check (one pass per column) says clean exactly when no row would be flagged
     by the per-problem expressions, and asks for the clip whenever a log-prob is above 0."""
     n = data.draw(st.integers(1, 20))
     vals = st.one_of(st.sampled_from(SPECIAL), st.floats(-50.0, 0.0))
@@ -326,11 +332,11 @@ def test_quick_check_agrees_with_the_full_validation(data):
         df = df.with_columns(
             pl.when(pl.int_range(pl.len()) == 0).then(None).otherwise(pl.col(c)).alias(c)
         )
-    plan = io.plan_sources([GOLDEN])
-    flagged = bool(io._invalid_mask(df, plan).any())
-    for backend in ("numpy", "numba") if kernels.backend() == "numba" else ("numpy",):
-        with kernels.use_backend(backend):
-            clean, positive = io._quick_check(df)
+    plan = ingest.plan_sources([GOLDEN])
+    flagged = bool(canonical.invalid_mask(df, plan).any())
+    for backend in ("numpy", "numba") if fast.backend() == "numba" else ("numpy",):
+        with fast.use_backend(backend):
+            clean, positive = canonical.quick_check(df)
         assert clean == (not flagged), backend
         lps = [df[c] for c in ("trainer_logprob", "inference_logprob")]
         if clean:

@@ -1,4 +1,4 @@
-"""The fused path (kernels.py, numba) against the simple path (numpy, rule by rule).
+"""The fused path (fast/, numba) against the simple path (numpy, rule by rule).
 
 Every optimisation has its own check: direct binning against np.searchsorted (ties, signed
 zeros, infinities, duplicates, coarse tables), the fused pass against the simple pass on
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
@@ -29,10 +30,19 @@ from conftest import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, io, kernels
-from mismatch_replay.rules import IPO, REGISTRY, TokenBatch, binary_kl
+from mismatch_replay import engine, fast, ingest
+from mismatch_replay.rules import (
+    IPO,
+    REGISTRY,
+    Domain,
+    Param,
+    Rule,
+    TokenBatch,
+    binary_kl,
+    parse_grid,
+)
 
-HAVE_NUMBA = kernels.backend() == "numba"
+HAVE_NUMBA = fast.backend() == "numba"
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
 
 
@@ -87,14 +97,14 @@ def test_direct_binning_equals_searchsorted(thr, data):
         [thr, np.nextafter(thr, math.inf), np.nextafter(thr, -math.inf), extra, SPECIALS]
     )
     incl = data.draw(st.booleans())
-    lut = data.draw(st.sampled_from([4, 5, 16, kernels.MAX_LUT]))
-    bn = kernels.make_binner(thr, incl, max_lut=lut)
+    lut = data.draw(st.sampled_from([4, 5, 16, fast.MAX_LUT]))
+    bn = fast.make_binner(thr, incl, max_lut=lut)
     ref = np.searchsorted(thr, s, side="right" if incl else "left")
     ref[s == math.inf] = thr.size + 1
-    assert np.array_equal(kernels.lut_bins(s, bn), ref)
+    assert np.array_equal(fast.lut_bins(s, bn), ref)
     if HAVE_NUMBA:
         out = np.empty(s.size, np.int64)
-        j = kernels.jit()
+        j = fast.compiled()
         err = j.bin_array(s, thr.size, bn.thr, incl, bn.lut, bn.nl, bn.klo, bn.khi, bn.shift, out)
         assert err == 0
         assert np.array_equal(out, ref)
@@ -104,8 +114,8 @@ def test_bin_scores_refuses_nan_on_both_paths():
     thr = np.array([0.1, 0.2])
     s = np.r_[np.zeros(5000), np.nan]
     for backend in ("numpy", "numba") if HAVE_NUMBA else ("numpy",):
-        with kernels.use_backend(backend), pytest.raises(AssertionError, match="NaN"):
-            kernels.bin_scores(s, thr, False)
+        with fast.use_backend(backend), pytest.raises(AssertionError, match="NaN"):
+            fast.bin_scores(s, thr, False)
 
 
 # ----------------------------------------------------------------------------- fused pass
@@ -142,7 +152,7 @@ def _grids(df: pl.DataFrame, data) -> dict[str, np.ndarray]:
         for p in cls.params:
             if not p.threshold:
                 continue
-            default = engine.parse_grid(p.grid)
+            default = parse_grid(p.grid)
             ties = [v for v in _tie_values(name, p.name, df) if v in p.domain]
             pick = (
                 data.draw(st.lists(st.sampled_from(ties), max_size=6), label=f"{name}.{p.name}")
@@ -156,7 +166,7 @@ def _grids(df: pl.DataFrame, data) -> dict[str, np.ndarray]:
 def _both(sources, **kw):
     out = {}
     for backend in ("numba", "numpy"):
-        with kernels.use_backend(backend):
+        with fast.use_backend(backend):
             out[backend] = engine.sweep(sources, **kw)
     return out["numba"], out["numpy"]
 
@@ -166,20 +176,20 @@ def _both(sources, **kw):
 CANCELLING = ("kl_k3_std", "abs_dp_std", "probs_pearson")
 
 
-def _assert_same(fast, simple, by, split: bool = False):
+def _assert_same(fused, simple, by, split: bool = False):
     """Counts exact, floats to 1e-9; with a batch split over threads (split=True), the
     metric sums to 1e-12 and the statistics that cancel are compared through them."""
     keys = ("rule", "setting", "param", "value", *([by] if by else []))
-    assert_tables_equal(fast.table, simple.table, keys=keys, rel=1e-9)
+    assert_tables_equal(fused.table, simple.table, keys=keys, rel=1e-9)
     skip = CANCELLING if split else ()
-    assert_tables_equal(fast.metrics, simple.metrics, keys=[by] if by else [], rel=1e-9, skip=skip)
-    a, b = fast.tally.metrics, simple.tally.metrics
+    assert_tables_equal(fused.metrics, simple.metrics, keys=[by] if by else [], rel=1e-9, skip=skip)
+    a, b = fused.tally.metrics, simple.tally.metrics
     for k in a.s:
         assert np.allclose(a.s[k], b.s[k], rtol=1e-12, atol=1e-300), k
     for k in a.m:
         assert np.array_equal(a.m[k], b.m[k]), k
     for name in ("hist_lin", "hist_log"):
-        assert np.array_equal(getattr(fast.tally, name), getattr(simple.tally, name)), name
+        assert np.array_equal(getattr(fused.tally, name), getattr(simple.tally, name)), name
 
 
 @needs_numba
@@ -192,16 +202,16 @@ def test_fused_and_simple_paths_agree_on_random_logs(df, data):
     batch = data.draw(st.sampled_from([3, 1_000_000]), label="batch_rows")
     threads = data.draw(st.sampled_from([1, 3]), label="threads")
     sweeps = _grids(df, data)
-    old = kernels.Fused.MIN_CHUNK
-    kernels.Fused.MIN_CHUNK = 1
+    old = fast.Fused.MIN_CHUNK
+    fast.Fused.MIN_CHUNK = 1
     try:
         with env(MISMATCH_REPLAY_THREADS=threads), log_file(df) as path:
-            fast, simple = _both(
-                [path], sweeps=sweeps, by=by, options=io.ReadOptions(batch_rows=batch)
+            fused, simple = _both(
+                [path], sweeps=sweeps, by=by, options=ingest.ReadOptions(batch_rows=batch)
             )
     finally:
-        kernels.Fused.MIN_CHUNK = old
-    _assert_same(fast, simple, by, split=threads > 1)
+        fast.Fused.MIN_CHUNK = old
+    _assert_same(fused, simple, by, split=threads > 1)
 
 
 @needs_numba
@@ -210,25 +220,25 @@ def test_fused_and_simple_paths_agree_on_a_realistic_log(tmp_path, by):
     rng = np.random.default_rng(5)
     df = random_log(rng, steps=4, seqs=12, max_len=40, mismatch=0.2)
     path = write_log(tmp_path / "log.parquet", df)
-    fast, simple = _both([path], by=by, options=io.ReadOptions(batch_rows=97))
-    _assert_same(fast, simple, by)
+    fused, simple = _both([path], by=by, options=ingest.ReadOptions(batch_rows=97))
+    _assert_same(fused, simple, by)
 
 
 @needs_numba
 def test_fused_and_simple_paths_agree_with_prime_rl_conventions(tmp_path):
     rng = np.random.default_rng(6)
     path = write_log(tmp_path / "log.parquet", random_log(rng, steps=3, seqs=10, max_len=30))
-    fast, simple = _both([path], match="prime-rl", options=io.ReadOptions(batch_rows=50))
-    _assert_same(fast, simple, None)
-    assert fast.table["is_masked_mean"].null_count() < fast.table.height
+    fused, simple = _both([path], match="prime-rl", options=ingest.ReadOptions(batch_rows=50))
+    _assert_same(fused, simple, None)
+    assert fused.table["is_masked_mean"].null_count() < fused.table.height
 
 
 @needs_numba
 def test_threads_split_a_batch_without_changing_counts(tmp_path):
     rng = np.random.default_rng(7)
     path = write_log(tmp_path / "log.parquet", random_log(rng, steps=3, seqs=20, max_len=60))
-    old = kernels.Fused.MIN_CHUNK
-    kernels.Fused.MIN_CHUNK = 1
+    old = fast.Fused.MIN_CHUNK
+    fast.Fused.MIN_CHUNK = 1
     try:
         res = {}
         for t in (1, 2, 5):  # 1, 8 and 20 chunks taken by whichever thread is free
@@ -236,7 +246,7 @@ def test_threads_split_a_batch_without_changing_counts(tmp_path):
                 with env(MISMATCH_REPLAY_THREADS=t):
                     res[t, by] = engine.sweep([path], by=by)
     finally:
-        kernels.Fused.MIN_CHUNK = old
+        fast.Fused.MIN_CHUNK = old
     for t in (2, 5):
         for by in ("step", "q_bucket"):
             _assert_same(res[t, by], res[1, by], by, split=True)
@@ -244,14 +254,14 @@ def test_threads_split_a_batch_without_changing_counts(tmp_path):
 
 @needs_numba
 def test_threads_folded_past_the_memory_budget_keep_counts(tmp_path, monkeypatch):
-    """With many groups, fewer threads keep their own bins (kernels.ACCUM_BUDGET)."""
+    """With many groups, fewer threads keep their own bins (runner.ACCUM_BUDGET)."""
     rng = np.random.default_rng(12)
     path = write_log(tmp_path / "log.parquet", random_log(rng, steps=6, seqs=10, max_len=40))
-    monkeypatch.setattr(kernels.Fused, "MIN_CHUNK", 1)
-    opts = io.ReadOptions(batch_rows=50)
+    monkeypatch.setattr(fast.Fused, "MIN_CHUNK", 1)
+    opts = ingest.ReadOptions(batch_rows=50)
     with env(MISMATCH_REPLAY_THREADS=3):
         base = engine.sweep([path], by="step", options=opts)
-        monkeypatch.setattr(kernels, "ACCUM_BUDGET", 200_000)
+        monkeypatch.setattr(fast.runner, "ACCUM_BUDGET", 200_000)
         folded = engine.sweep([path], by="step", options=opts)
     assert base.tally._fused.t == 3 and folded.tally._fused.t == 1
     _assert_same(folded, base, "step", split=True)
@@ -266,18 +276,21 @@ def test_unknown_rules_fall_back_to_the_simple_path(tmp_path):
     rng = np.random.default_rng(8)
     path = write_log(tmp_path / "log.parquet", random_log(rng))
     rules = [MyIPO(), IPO()]
-    prog = kernels.Program([engine.Job(r, "eps", np.array([0.01, 0.1])) for r in rules])
+    prog = fast.Program([engine.Job(r, "eps", np.array([0.01, 0.1])) for r in rules])
     assert prog.slot[0] == -1 and prog.slot[1] >= 0
-    fast, simple = _both([path], rules=rules, sweeps={"eps": "0.001:1:30:log"})
-    _assert_same(fast, simple, None)
-    mine = fast.table.filter(pl.col("rule") == "ipo")
+    assert prog.reasons == ["bins change between its critical points (checked)", None]
+    fused, simple = _both([path], rules=rules, sweeps={"eps": "0.001:1:30:log"})
+    _assert_same(fused, simple, None)
+    mine = fused.table.filter(pl.col("rule") == "ipo")
     assert mine.height == 60  # both rules report (same name), and they differ
     a, b = mine[:30], mine[30:]
     assert (a["masked_tokens"] != b["masked_tokens"]).any()
 
 
 def test_every_catalogue_token_rule_is_compiled():
-    """A token rule added to rules.py needs a kernel op (or it runs on the simple path)."""
+    """A token rule of the catalogue declares the quantity each threshold parameter
+    thresholds (Rule.quantities), and its score() is a function of it (or it would run on
+    the simple path)."""
     missing = []
     for name, cls in REGISTRY.items():
         if cls.level != "token":
@@ -285,9 +298,10 @@ def test_every_catalogue_token_rule_is_compiled():
         for p in cls.params:
             if p.threshold:
                 job = engine.Job(cls(**_complete(cls)), p.name, np.array([0.5, 2.0]))
-                if kernels.compile_job(job) is None:
-                    missing.append(f"{name}.{p.name}")
-    assert not missing, f"no kernel op for {missing}"
+                why = fast.Program([job]).reasons[0]
+                if why is not None:
+                    missing.append(f"{name}.{p.name}: {why}")
+    assert not missing, f"not compiled: {missing}"
 
 
 def _complete(cls) -> dict:
@@ -296,11 +310,199 @@ def _complete(cls) -> dict:
 
 def test_identical_jobs_share_a_kernel_slot():
     jobs, _ = engine.plan_jobs(None, None, ("trainer_logprob", "inference_logprob"))
-    prog = kernels.Program(jobs)
+    prog = fast.Program(jobs)
     slot = {j.label: prog.slot[i] for i, j in enumerate(jobs)}
     assert slot["icepop[high=5]:low"] == slot["token-mis[high=5]:low"]
     assert slot["icepop[low=0.5]:high"] == slot["token-mis[low=0.5]:high"]
     assert slot["ipo[]:eps"] != slot["icepop[low=0.5]:high"]
+
+
+# ----------------------------------------------------------------------------- rules from anywhere
+
+
+@dataclass(frozen=True)
+class AbsLogRatio(Rule):
+    """A rule defined outside the catalogue (not registered): masked iff |l| > eps."""
+
+    name = "abs-l"
+    title = "|log p - log q| band"
+    params = (Param("eps", "largest |l| kept", "0.1,0.5,1"),)
+    quantities = {"eps": "|l|"}
+    eps: float | None = 0.5
+
+    def score(self, b, param):
+        return np.abs(b.l)
+
+
+@dataclass(frozen=True)
+class Misdeclared(Rule):
+    """Declares a threshold on l, but its score reads p too."""
+
+    name = "misdeclared"
+    title = "l, where p > 0.5"
+    params = (Param("eps", "threshold on l", "0.1,0.5,1"),)
+    quantities = {"eps": "l"}
+    eps: float | None = 0.5
+
+    def score(self, b, param):
+        return np.where(b.p > 0.5, b.l, -math.inf)
+
+
+@needs_numba
+def test_a_rule_defined_outside_the_package_runs_fused_with_exact_counts(tmp_path):
+    """One class on an existing quantity: the fused path bins its own score() (the only
+    implementation), and counts equal the simple path's and a count by hand."""
+    rng = np.random.default_rng(15)
+    df = random_log(rng, steps=3, seqs=10, max_len=40, mismatch=0.5)
+    path = write_log(tmp_path / "log.parquet", df)
+    values = np.array([0.1, 0.5, 1.0])
+    prog = fast.Program([engine.Job(AbsLogRatio(), "eps", values)])
+    assert prog.reasons == [None] and prog.slot == [0]
+    assert [c.kind for c in prog.coords] == ["l"]
+    sweeps = {"abs-l.eps": values}
+    fused, simple = _both([path], rules=[AbsLogRatio()], sweeps=sweeps)
+    _assert_same(fused, simple, None)
+    assert fused.tally._fused is not None and fused.tally._fused.p.slot == [0]
+    ok = df.filter(pl.col("loss_mask"))
+    l = ok["trainer_logprob"].to_numpy() - ok["inference_logprob"].to_numpy()  # noqa: E741
+    t = fused.table.sort("value")
+    assert t["masked_tokens"].to_list() == [int((np.abs(l) > v).sum()) for v in values]
+
+
+@needs_numba
+def test_a_rule_that_misdeclares_its_quantity_runs_on_the_simple_path(tmp_path):
+    """Declared on l but reading p: the two kinds of junk give different bins, so the job is
+    not fused, and its counts are the simple path's."""
+    path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(16)))
+    values = np.array([0.1, 0.5, 1.0])
+    jobs = [engine.Job(Misdeclared(), "eps", values), engine.Job(AbsLogRatio(), "eps", values)]
+    prog = fast.Program(jobs)
+    assert prog.reasons == ["score is not a function of l (checked)", None]
+    assert prog.slot[0] == -1
+    rules = [Misdeclared(), AbsLogRatio()]
+    sweeps = {"misdeclared.eps": values, "abs-l.eps": values}
+    fused, simple = _both([path], rules=rules, sweeps=sweeps)
+    _assert_same(fused, simple, None)
+
+
+def test_programs_say_why_a_job_is_not_fused():
+    """Program.reasons, job by job: None where fused."""
+    from mismatch_replay.rules import KPop, SeqTIS, parse_rule
+
+    v = np.array([0.1, 0.2])
+    jobs = [
+        engine.Job(IPO(), "eps", v),
+        engine.Job(IPO(precision="float32"), "eps", v),
+        engine.Job(SeqTIS(), "cap", np.array([2.0])),
+        engine.Job(parse_rule("dppo-kl@verl"), "high", v),
+        engine.Job(parse_rule("ipo@prime-rl"), "eps", v),
+        engine.Job(KPop(clamp=1e-6), "phi", v),
+        engine.Job(Misdeclared(), "eps", v),
+    ]
+
+    class Undeclared(IPO):
+        quantities = {}
+
+    jobs.append(engine.Job(Undeclared(), "eps", v))
+    assert fast.Program(jobs).reasons == [
+        None,
+        "float32 replay",
+        "sequence rule",
+        "preset arithmetic 'verl' (its own formula)",
+        None,
+        None,
+        "score is not a function of l (checked)",
+        "no declared quantity",
+    ]
+
+
+# A rule per quantity: its score is the quantity itself, optionally only for one sign of the
+# advantage and, on l and bkl(q||p), of l (the classes the program derives).
+QUANTITY_SCORES = {
+    "l": (lambda b, c: b.l, float),
+    "|l|": (lambda b, c: np.abs(b.l), float),
+    "log r": (lambda b, c: b.l, lambda t: math.log(t) if t > 0 else -math.inf),
+    "r": (lambda b, c: b.r, float),
+    "r-1": (lambda b, c: b.r, lambda t: 1.0 + t),
+    "1-r": (lambda b, c: -b.r, lambda t: t - 1.0),
+    "k2": (lambda b, c: b.k2, float),
+    "k3": (lambda b, c: b.k3, float),
+    "dp": (lambda b, c: b.dp, float),
+    "-dp": (lambda b, c: -b.dp, float),
+    "|dp|": (lambda b, c: b.abs_dp, float),
+    "bkl": (lambda b, c: b.bkl(c), float),
+    "bkl(q||p)": (lambda b, c: b.bkl_qp(c), float),
+}
+
+
+@dataclass(frozen=True)
+class OnQuantity(Rule):
+    """masked iff quantity > t, where the advantage (and l) has the sign asked for."""
+
+    name = "on-quantity"
+    title = "a quantity against a threshold"
+    needs = ("advantage",)
+    params = (
+        Param("t", "threshold", "0.1", domain=Domain(-math.inf)),
+        Param("clamp", "clamp", "1e-6", threshold=False),
+    )
+    t: float | None = 0.1
+    clamp: float | None = 1e-6
+    what: str = field(default="l", kw_only=True)
+    adv_sign: int = field(default=0, kw_only=True)
+    l_sign: int = field(default=0, kw_only=True)
+
+    @property
+    def quantities(self):  # per instance here; a class attribute in the catalogue
+        return {"t": self.what}
+
+    def threshold(self, param, value):
+        return QUANTITY_SCORES[self.what][1](value)
+
+    def score(self, b, param):
+        with np.errstate(all="ignore"):
+            s = np.asarray(QUANTITY_SCORES[self.what][0](b, self.clamp), dtype=np.float64)
+        keep = np.ones(s.shape, dtype=bool)
+        if self.adv_sign:
+            keep &= np.sign(b.adv(self.name)) == self.adv_sign
+        if self.l_sign:
+            keep &= np.sign(b.l) == self.l_sign
+        return np.where(keep, s, -math.inf)
+
+
+L_SIGNED = ("bkl(q||p)",)  # on l, a sign of l would be a critical point at 0: not derivable
+IDENTITY = ("l", "|l|", "r", "k2", "k3", "dp", "|dp|", "bkl", "bkl(q||p)")  # threshold(t) = t
+
+
+@needs_numba
+@settings(max_examples=40)
+@given(df=logs(), data=st.data())
+def test_a_rule_on_any_declared_quantity_is_fused_with_the_simple_paths_counts(df, data):
+    """Brute force: the simple path, on random logs, for a rule per quantity (its score the
+    quantity, only where the advantage and l have the signs drawn), with thresholds tied
+    exactly to token values; the program derives each of them (none on the simple path)."""
+    what = data.draw(st.sampled_from(sorted(QUANTITY_SCORES)), label="quantity")
+    rule = OnQuantity(
+        clamp=data.draw(st.sampled_from([1e-8, 1e-6, 1e-3]), label="clamp"),
+        what=what,
+        adv_sign=data.draw(st.sampled_from([0, 1, -1]), label="adv_sign"),
+        l_sign=data.draw(st.sampled_from([0, 1, -1]), label="l_sign") if what in L_SIGNED else 0,
+    )
+    ok = df.filter(pl.col("loss_mask"))
+    tb = TokenBatch(ok["trainer_logprob"].to_numpy(), ok["inference_logprob"].to_numpy())
+    with np.errstate(all="ignore"):
+        q = np.asarray(QUANTITY_SCORES[what][0](tb, rule.clamp), dtype=np.float64)
+    ties = sorted({float(x) for x in q[np.isfinite(q)]})[:12] if what in IDENTITY else []
+    if what == "log r":
+        ties = list(NICE_RATIOS)
+    pick = data.draw(st.lists(st.sampled_from(ties), max_size=6), label="ties") if ties else []
+    fixed = {"dp": [-0.3, 0.0, 0.2], "-dp": [-0.1, 0.0, 0.3], "1-r": [0.0, 0.3, 0.9]}
+    values = np.unique(np.r_[fixed.get(what, [0.0, 0.1, 0.5, 2.0]), pick])
+    job = engine.Job(rule, "t", values)
+    assert fast.Program([job]).reasons == [None]
+    with log_file(df) as path:
+        fused, simple = _both([path], rules=[rule], sweeps={"on-quantity.t": values})
+    _assert_same(fused, simple, None)
 
 
 # ----------------------------------------------------------------------------- coordinates
@@ -308,9 +510,9 @@ def test_identical_jobs_share_a_kernel_slot():
 
 @needs_numba
 def test_call_free_exp_expm1_log_are_within_a_few_ulps_of_the_c_library():
-    """_vmath's functions feed every |dp| and binary KL the kernel bins; the windows around
-    their critical points (kernels.ERR_REL = 1e-13) assume <= ~1e-15 relative error."""
-    from mismatch_replay import _vmath
+    """vmath's functions feed every |dp| and binary KL the kernel bins; the windows around
+    their critical points (coordinates.ERR_REL = 1e-13) assume <= ~1e-15 relative error."""
+    from mismatch_replay.fast import vmath
 
     rng = np.random.default_rng(0)
     wide = rng.uniform(-760.0, 720.0, 400_000)
@@ -344,7 +546,7 @@ def test_call_free_exp_expm1_log_are_within_a_few_ulps_of_the_c_library():
     ]
     for kind, ref, arg in ((0, np.exp, x), (1, np.expm1, x), (2, np.log, pos)):
         out = np.empty_like(arg)
-        _vmath.apply(kind, arg, out)
+        vmath.apply(kind, arg, out)
         with np.errstate(over="ignore"):
             want = ref(arg)
         fin = np.isfinite(want)
@@ -366,18 +568,18 @@ def test_coordinate_binner_counts_edges_at_or_below(data):
     neg = data.draw(st.lists(st.floats(1e-6, 1e3), max_size=80), label="neg")
     far = data.draw(st.lists(st.sampled_from([1e154, -1e154, 1e300, -1e300, 7e2]), max_size=3))
     e = np.unique(np.r_[pos, [-v for v in neg], far, 1.0])
-    bn = kernels.make_coord_binner(e, data.draw(st.sampled_from([16, 1024, 8192])))
+    bn = fast.make_coord_binner(e, data.draw(st.sampled_from([16, 1024, 8192])))
     extra = np.array(data.draw(st.lists(st.floats(allow_nan=False), max_size=30)), np.float64)
     with np.errstate(over="ignore"):
         x = np.r_[e, np.nextafter(e, math.inf), np.nextafter(e, -math.inf), extra, SPECIALS]
     ref = np.searchsorted(e, x, side="right")
     ref[x == math.inf] = e.size + 1
-    assert np.array_equal(kernels.lut_bins(x, bn), ref)
+    assert np.array_equal(fast.lut_bins(x, bn), ref)
     # the kernel's flagged table (a bucket without an edge is its bin), numpy and numba
     for flag, dtype in ((1 << 15, np.uint16), (1 << 31, np.uint32)):
-        fl = kernels.flag_lut(bn.lut, flag).astype(dtype)
-        assert np.array_equal(kernels.flagged_bins(x, bn, fl, flag), ref)
-        j = kernels.jit()
+        fl = fast.flag_lut(bn.lut, flag).astype(dtype)
+        assert np.array_equal(fast.flagged_bins(x, bn, fl, flag), ref)
+        j = fast.compiled()
         if j is not None:
             out = np.empty(x.size, np.uint64)
             args = (bn.nl, bn.klo, bn.khi, bn.shift, bn.tiny, np.uint64(bn.nz), bn.gap, bn.kpos)
@@ -387,15 +589,16 @@ def test_coordinate_binner_counts_edges_at_or_below(data):
 
 def test_coordinate_table_refuses_more_edges_than_its_flag_leaves_room_for():
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.flag_lut(np.array([0, 3, 40_000, 40_000]), 1 << 15)
+        fast.flag_lut(np.array([0, 3, 40_000, 40_000]), 1 << 15)
 
 
 def test_coordinate_intervals_hold_one_bin_per_slot_and_class():
     """Program's interval tables against the slots' own bins at random points inside every
     interval (the build checks 16 evenly spaced points; these are elsewhere)."""
     jobs, _ = engine.plan_jobs(None, None, ("trainer_logprob", "inference_logprob", "advantage"))
-    prog = kernels.Program(jobs)
-    assert [c.kind for c in prog.coords] == ["dp", "l", "kpop", "bkl_qp"]
+    prog = fast.Program(jobs)
+    assert [c.kind for c in prog.coords] == ["dp", "l", "bkl", "bkl_qp"]
+    assert [c.ncls for c in prog.coords] == [3, 3, 1, 9]
     rng = np.random.default_rng(1)
     for c in prog.coords:
         lo = np.r_[-1e6, np.nextafter(c.edges[1::2], math.inf)]
@@ -404,11 +607,20 @@ def test_coordinate_intervals_hold_one_bin_per_slot_and_class():
         u = rng.random((ok.sum(), 8))
         pts = lo[ok, None] + (hi[ok] - lo[ok])[:, None] * u
         pts = np.clip(pts, lo[ok, None], hi[ok, None])
-        for si, s in enumerate(c.slots):
-            for cl, (a, ls) in enumerate(kernels._classes(c.ncls)):
-                b = kernels.slot_bins(prog.codes[s], prog.bnames[s], prog.thrs[s], pts, a, ls)
+        x = pts.reshape(-1)
+        for si, plan in enumerate(c.plans):
+            for cl, (a, ls) in enumerate(c.classes):
                 want = c.jobbin[si, cl, : c.intervals][ok]
-                assert (b == want[:, None]).all(), (c.kind, s, cl)
+                b = fast.sample_bins(plan, x, a, ls).reshape(pts.shape)
+                assert (b == want[:, None]).all(), (c.kind, si, cl)
+                if c.kind != "l":
+                    continue
+                # on l, a real batch with these log ratios: the score as the engine sees it
+                tb = TokenBatch(x, np.zeros_like(x), np.full_like(x, a))
+                with np.errstate(all="ignore"):
+                    score = plan.rule.score(tb, plan.param)
+                b = fast.reference_bins(score, plan.thr, plan.inclusive).reshape(pts.shape)
+                assert (b == want[:, None]).all(), (c.kind, si, cl)
 
 
 @needs_numba
@@ -429,9 +641,9 @@ def test_tokens_on_a_threshold_go_to_the_simple_path(tmp_path):
         "dppo-kl.high": np.unique(np.r_[0.01, bkl[pick]]),
     }
     rules = ["ipo", "tis", "token-k3", "dppo-kl"]
-    fast, simple = _both([path], rules=rules, sweeps=sweeps, by="step")
-    _assert_same(fast, simple, "step")
-    flagged = fast.tally._fused.flagged_tokens
+    fused, simple = _both([path], rules=rules, sweeps=sweeps, by="step")
+    _assert_same(fused, simple, "step")
+    flagged = fused.tally._fused.flagged_tokens
     assert 0 < flagged <= 4 * 6 * 3 + 10, flagged
 
 
@@ -443,13 +655,13 @@ def test_more_coordinates_than_flag_bits_fall_back_to_the_simple_path(tmp_path):
     path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(14)))
     grid = np.array([1e-3, 1e-2, 0.1])
     jobs = [engine.Job(KPop(clamp=10.0 ** -(4 + i / 8)), "phi", grid) for i in range(33)]
-    with pytest.raises(kernels.TooManyCoordinates):
-        kernels.Program(jobs)
+    with pytest.raises(fast.TooManyCoordinates):
+        fast.Program(jobs)
     tally = engine.replay([path], jobs=jobs)
     assert tally._fused is None and any("fast path off" in n for n in tally.notes)
     few = engine.replay([path], jobs=jobs[:3])
     assert few._fused is not None
-    with kernels.use_backend("numpy"):
+    with fast.use_backend("numpy"):
         ref = engine.replay([path], jobs=jobs)
     assert_tables_equal(tally.result().table, ref.result().table)
 
@@ -466,10 +678,10 @@ def test_sequence_codes_agree_across_backends():
     for frame in (df, df.with_columns(pl.col("sample_id").cast(pl.Utf8))):
         out = {}
         for backend in ("numba", "numpy"):
-            with kernels.use_backend(backend):
+            with fast.use_backend(backend):
                 t = engine.Tally([], None, has_seq=True)
-                t._seq_codes(frame[:4])
-                out[backend] = (t._seq_codes(frame[4:]), dict(t.seq_keys))
+                t.seq_codes(frame[:4])
+                out[backend] = (t.seq_codes(frame[4:]), dict(t.seq_keys))
         (ga, (ua, la)), ka = out["numba"]
         (gb, (ub, lb)), kb = out["numpy"]
         assert ka == kb
@@ -505,8 +717,8 @@ def test_m2po_step_kernel_equals_stable_argsort(data):
         out = (np.zeros((3, thr.size + 2), np.int64), np.zeros((3, thr.size + 2)))
         sf = np.zeros((3, thr.size + 2))
         sb = np.full(5, -1, np.int64)
-        with kernels.use_backend(backend):
-            kernels.m2po_step_bins(x, g, mass, seq, inv, thr, 3, 5, out[0], out[1], sf, sb)
+        with fast.use_backend(backend):
+            fast.m2po_step_bins(x, g, mass, seq, inv, thr, 3, 5, out[0], out[1], sf, sb)
         return out[0], out[1], sf, sb
 
     ref = run("numpy")
@@ -531,12 +743,35 @@ def test_m2po_store_spills_to_disk_with_identical_results(tmp_path):
     assert base.m2po.spilled_tokens == 0
     with env(MISMATCH_REPLAY_M2PO_MEMORY="0.0005"):  # ~500 bytes: spills every batch
         spilled = engine.replay(
-            [path], rules=rules, sweeps=sweeps, by="step", options=io.ReadOptions(batch_rows=40)
+            [path], rules=rules, sweeps=sweeps, by="step", options=ingest.ReadOptions(batch_rows=40)
         )
     assert 0 < spilled.m2po.spilled_tokens <= spilled.m2po.tokens == base.m2po.tokens
     assert spilled.m2po.nbytes <= 40 * 28
     keys = ("rule", "setting", "param", "value", "step")
     assert_tables_equal(base.result().table, spilled.result().table, keys=keys)
+
+
+@needs_numba
+@pytest.mark.parametrize("final", [False, True])
+def test_runner_buffers_never_overwrite_what_m2pos_store_holds(tmp_path, final):
+    """m2po's store keeps a batch's l^2, |dp| and sequence ids until their step is resolved,
+    batches later: the runner hands those over fresh and reuses only its own arrays (the
+    window flags, the scatter counts), batch after batch. The numpy path, which allocates
+    afresh, gives the same table."""
+    import pyarrow.parquet as pq
+
+    df = random_log(np.random.default_rng(41), steps=5, seqs=6, max_len=40)
+    df = df.sort("step", maintain_order=True)
+    path = tmp_path / "log.parquet"
+    pq.write_table(df.to_arrow(), path, row_group_size=30)
+    kw = dict(rules=["m2po", "ipo", "seq-mis"], options=ingest.ReadOptions(batch_rows=20))
+    fused = engine.replay([path], final=final, **kw)
+    assert fused._fused is not None
+    assert {"tflag", "hist_lin", "hist_log"} <= set(fused._fused._own)
+    with fast.use_backend("numpy"):
+        simple = engine.replay([path], final=final, **kw)
+    keys = ("rule", "setting", "param", "value")
+    assert_tables_equal(simple.result().table, fused.result().table, keys=keys)
 
 
 def test_m2po_store_memory_is_per_token_and_bounded():
@@ -557,12 +792,12 @@ def test_m2po_store_memory_is_per_token_and_bounded():
 def test_simple_path_forced_by_the_environment(tmp_path):
     path = write_log(tmp_path / "log.parquet", random_log(np.random.default_rng(10)))
     with env(MISMATCH_REPLAY_KERNEL="numpy"):
-        assert kernels.backend() == "numpy"
-        assert kernels.jit() is None
+        assert fast.backend() == "numpy"
+        assert fast.compiled() is None
         tally = engine.replay([path])
         assert tally._fused is None and tally._fused_off
     with env(MISMATCH_REPLAY_KERNEL="bogus"), pytest.raises(ValueError, match="KERNEL"):
-        kernels.backend()
+        fast.backend()
 
 
 @needs_numba
@@ -582,8 +817,8 @@ def test_fused_tally_pickles_and_merges(tmp_path):
 
 _START = """
 import sys
-from mismatch_replay import kernels
-j = kernels.jit()
+from mismatch_replay import fast
+j = fast.compiled()
 assert j is not None
 probe = sys.modules.get("scipy.linalg.cython_blas", "absent")
 print("scipy.linalg" in sys.modules, probe is None)
@@ -593,7 +828,7 @@ assert j.check_column(np.array([-1.0, -2.0]), 0.0) == 0
 
 
 def test_numba_starts_without_importing_scipy_and_leaves_it_importable():
-    """kernels.jit() starts numba's target without its BLAS probe (scipy.linalg, 0.2-0.3 s):
+    """fast.compiled() starts numba's target without its BLAS probe (scipy.linalg, 0.2-0.3 s):
     in a fresh process scipy.linalg is not imported by it, no None entry is left behind, and
     scipy's BLAS still imports and works in numba afterwards."""
     import subprocess
@@ -633,14 +868,27 @@ def test_numba_start_leaves_a_loaded_scipy_alone(monkeypatch):
         cpu_target.typing_context, "refresh", lambda: seen.append(sys.modules.get(probe, "-"))
     )
     monkeypatch.setitem(sys.modules, "scipy.linalg", object())
-    kernels._start_numba_target()
+    fast.runner._start_numba_target()
     assert seen and None not in seen
     seen.clear()
     monkeypatch.delitem(sys.modules, "scipy.linalg")
     monkeypatch.delitem(sys.modules, probe, raising=False)
-    kernels._start_numba_target()
+    fast.runner._start_numba_target()
     assert seen and all(x is None for x in seen)  # blocked while the target starts
     assert probe not in sys.modules  # and unblocked after
+
+
+@needs_numba
+def test_the_kernels_sequence_statistics_are_rows_of_the_table():
+    """BatchOut.seq names each per-sequence output by its SEQ_STATS row (same combine), and
+    covers every row but the optional ones (which the engine adds on numpy)."""
+    from mismatch_replay.rules import SEQ_STATS
+
+    j = fast.compiled()
+    how = {s.name: s.combine for s in SEQ_STATS} | {"mass": "sum"}
+    got = {**dict.fromkeys(j.SEQ_SUMS, "sum"), j.SEQ_MAX: "max", j.SEQ_MIN: "min"}
+    assert {k: how.get(k) for k in got} == got
+    assert {s.name for s in SEQ_STATS if not s.optional} <= set(got)
 
 
 def _exact_ties_with_mean(target: float, seqs: int, rng) -> pl.DataFrame:
@@ -674,12 +922,12 @@ def test_sequence_statistics_at_a_tie_are_decided_as_rules_py_decides(tmp_path, 
     grid = {"prob-error.tau": np.array([1.4999, 1.5])}
     got = {}
     for backend in ("numba", "numpy") if HAVE_NUMBA else ("numpy",):
-        with kernels.use_backend(backend):
+        with fast.use_backend(backend):
             res = engine.sweep(
                 [path],
                 rules=["prob-error"],
                 sweeps=grid,
-                options=io.ReadOptions(batch_rows=batch_rows),
+                options=ingest.ReadOptions(batch_rows=batch_rows),
             )
         t = res.table.filter(pl.col("rule") == "prob-error").sort("value")
         got[backend] = t["masked_tokens"].to_list()
@@ -708,12 +956,12 @@ def test_without_numba_the_numpy_path_runs_with_one_note(monkeypatch):
     import warnings
 
     monkeypatch.setattr(importlib.util, "find_spec", _no_numba_find_spec(importlib.util.find_spec))
-    monkeypatch.setattr(kernels, "_fallback_noted", False)
+    monkeypatch.setattr(fast.runner, "_fallback_noted", False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert kernels.backend() == "numpy"
-        assert kernels.backend() == "numpy"
-    notes = [w for w in seen if issubclass(w.category, kernels.KernelWarning)]
+        assert fast.backend() == "numpy"
+        assert fast.backend() == "numpy"
+    notes = [w for w in seen if issubclass(w.category, fast.KernelWarning)]
     assert len(notes) == 1
     assert "numba is not installed" in str(notes[0].message)
     assert "pip install numba" in str(notes[0].message)

@@ -233,14 +233,14 @@ def test_entropy_metrics(tmp_path):
 def test_pearson_is_null_where_a_column_is_constant(tmp_path, kernel_backend, batch_rows):
     """p constant (to 9 digits): the variance from the sums is rounding noise whose sign
     depends on the order of the additions; the correlation is undefined, never +-1 or 0."""
-    from mismatch_replay import io
+    from mismatch_replay import ingest
 
     rng = np.random.default_rng(3)
     n = 5_000
     lq = np.log(rng.uniform(0.05, 0.95, n))
     for lp in (np.full(n, math.log(0.7)), math.log(0.7) + rng.normal(0.0, 1e-12, n)):
         path = write_log(tmp_path / "c.parquet", canonical_log(np.minimum(lp, 0.0), lq))
-        res = engine.sweep([path], rules=[], options=io.ReadOptions(batch_rows=batch_rows))
+        res = engine.sweep([path], rules=[], options=ingest.ReadOptions(batch_rows=batch_rows))
         assert res.metrics["probs_pearson"].item() is None
     # a genuine correlation is kept
     lp = np.minimum(lq + rng.normal(0.0, 0.05, n), 0.0)

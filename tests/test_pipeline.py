@@ -8,13 +8,13 @@ import pytest
 from typer.testing import CliRunner
 
 from mismatch_replay.cli import app
-from mismatch_replay.pipeline import FIGURES, sample_path
+from mismatch_replay.viz.jobs import FIGURES, sample_path
 
 GOLDEN = str(Path(__file__).parent / "data" / "golden_log.parquet")
 runner = CliRunner()
 
 
-def test_plot_writes_the_four_figures_and_refuses_to_overwrite(tmp_path):
+def test_plot_writes_the_figures_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "figs"
     r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "-t", "0.0025"])
     assert r.exit_code == 0, r.stderr
@@ -67,12 +67,13 @@ def test_demo_runs_on_the_bundled_sample(tmp_path, monkeypatch):
 def test_report_writes_sweep_csv_and_lists_what_choose_chose(tmp_path):
     import polars as pl
 
-    from mismatch_replay import analysis, engine, pipeline
+    from mismatch_replay import analysis, engine
+    from mismatch_replay.viz import jobs
 
     out = tmp_path / "rep"
     seen: list[tuple[int, int]] = []
     keep: dict = {}
-    pipeline.report(
+    jobs.report(
         [GOLDEN],
         out,
         command="c",
@@ -91,19 +92,48 @@ def test_report_writes_sweep_csv_and_lists_what_choose_chose(tmp_path):
     # "Chosen settings" lists choose's thresholds, and a table around each
     page = (out / "index.html").read_text()
     chosen = page[page.index("<h2>Chosen settings</h2>") : page.index("<h2>Plotted settings</h2>")]
-    rows = keep["decisions"]["choose"]
-    assert rows and all(r["spec"] in chosen for r in rows)
-    assert chosen.count('<div class="curve">') == sum(1 for r in rows if r.get("curve"))
+    rows = keep["decisions"].choose
+    assert rows and all(r.spec in chosen for r in rows)
+    assert chosen.count('<div class="curve">') == sum(1 for r in rows if r.curve)
+    # the by-length figure's table is engine.sweep's, by length, and the page embeds it
+    from polars.testing import assert_frame_equal
+
+    from mismatch_replay.analysis.figure_data import LENGTH_SETTINGS
+
+    ref = engine.sweep([GOLDEN], rules=list(LENGTH_SETTINGS), by="length").table
+    assert_frame_equal(keep["data"].by_length, ref)
+    assert (out / "masked_by_length.png").stat().st_size > 10_000
+    assert "Masked fraction by sequence length" in page
     # the shared passes give what the separate calls give
     alone = analysis.choose([GOLDEN], 0.0025, list(analysis.DECISION_RULES), bootstrap=20)
-    assert [(r["value"], r["masked_tokens"], r["ci_low"], r["ci_high"]) for r in alone] == [
-        (r["value"], r["masked_tokens"], r["ci_low"], r["ci_high"]) for r in rows
+    assert [(r.value, r.masked_tokens, r.ci_low, r.ci_high) for r in alone] == [
+        (r.value, r.masked_tokens, r.ci_low, r.ci_high) for r in rows
     ]
-    assert keep["decisions"]["drift"] == analysis.drift([GOLDEN])
+    assert keep["decisions"].drift == analysis.drift([GOLDEN])
     budget = analysis.compare([GOLDEN], "ipo", "icepop@prime-rl", budget=0.0025, examples=5)
-    mine = keep["decisions"]["compare_budget"]
-    assert {c: mine["cells"][c]["tokens"] for c in analysis.CELLS} == {
-        c: budget["cells"][c]["tokens"] for c in analysis.CELLS
+    mine = keep["decisions"].compare_budget
+    assert {c: mine.cells[c].tokens for c in analysis.CELLS} == {
+        c: budget.cells[c].tokens for c in analysis.CELLS
     }
     r = runner.invoke(app, ["report", GOLDEN, "-o", str(out)])
     assert r.exit_code == 2 and "--force" in r.stderr
+
+
+def test_plot_and_report_without_sequence_ids_skip_the_length_figure_with_a_note(tmp_path):
+    import polars as pl
+
+    log = tmp_path / "no_ids.parquet"
+    pl.read_parquet(GOLDEN).drop("sample_id").write_parquet(log)
+    out = tmp_path / "figs"
+    r = runner.invoke(app, ["plot", str(log), "-o", str(out)])
+    assert r.exit_code == 0, r.stderr
+    assert "no sequence ids" in r.stderr and "masked_by_length" not in r.stdout
+    assert not (out / "masked_by_length.png").exists()
+    assert all((out / f"{n}.png").exists() for n in FIGURES if n != "masked_by_length")
+    rep = tmp_path / "rep"
+    r = runner.invoke(app, ["report", str(log), "-o", str(rep), "--bootstrap", "0"])
+    assert r.exit_code == 0, r.stderr
+    page = (rep / "index.html").read_text()
+    assert page.count("data:image/png;base64,") == len(FIGURES) - 1
+    assert "Not drawn: the log has no sequence ids" in page
+    assert not (rep / "masked_by_length.png").exists()

@@ -1,4 +1,4 @@
-"""plots: assertions on the returned figures' structure (artists, data, labels), not pixels.
+"""viz, the figures: assertions on their structure (artists, data, labels), not pixels.
 
 The figure data of the golden log is computed once for the module. Boundary lines are checked
 against the rules' definitions; every curve, marker and bar against the tables it draws.
@@ -13,14 +13,17 @@ import numpy as np
 import polars as pl
 import pytest
 from matplotlib.collections import Collection
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
+from polars.testing import assert_frame_equal
 
-from mismatch_replay import analysis, plots
+from mismatch_replay import analysis, viz
 from mismatch_replay.engine import Q_BUCKET_EDGES
 from mismatch_replay.errors import UsageError
-from mismatch_replay.rules import binary_kl, parse_rule
+from mismatch_replay.rules import REGISTRY, binary_kl, parse_rule
+from mismatch_replay.viz import render
 
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
 
@@ -66,7 +69,7 @@ def fraction_of(table: pl.DataFrame, rule: str, setting: str, param: str) -> pl.
 
 
 def test_scatter_linear_structure(data):
-    fig = plots.scatter(data, log=False)
+    fig = viz.scatter(data, log=False)
     assert isinstance(fig, Figure)
     assert len(fig.axes) == 2  # the panel and its colourbar
     ax = fig.axes[0]
@@ -89,7 +92,7 @@ def test_scatter_linear_structure(data):
 
 
 def test_scatter_linear_boundaries_follow_the_definitions(data):
-    ax = plots.scatter(data, log=False).axes[0]
+    ax = viz.scatter(data, log=False).axes[0]
     ln = lines_by_gid(ax)
     x, y = ln["ipo-upper|eps=0.3"].get_data()
     np.testing.assert_allclose(y, np.clip(x + 0.3, 0, 1))
@@ -107,12 +110,12 @@ def test_scatter_linear_boundaries_follow_the_definitions(data):
     np.testing.assert_array_equal(x, y)
     assert ln["diagonal"].get_linestyle() == "--"
     # one colour per rule, shared with every other figure
-    assert ln["ipo-upper|eps=0.3"].get_color() == plots.RULE_COLORS["ipo"]
-    assert ln["icepop-low|low=0.2,high=5"].get_color() == plots.RULE_COLORS["icepop"]
+    assert ln["ipo-upper|eps=0.3"].get_color() == REGISTRY["ipo"].color
+    assert ln["icepop-low|low=0.2,high=5"].get_color() == REGISTRY["icepop"].color
 
 
 def test_scatter_log_axes(data):
-    fig = plots.scatter(data, log=True, ipo_eps=(0.1, 0.3), icepop=((0.5, 5.0),))
+    fig = viz.scatter(data, log=True, ipo_eps=(0.1, 0.3), icepop=((0.5, 5.0),))
     ax = fig.axes[0]
     assert "log scale" in ax.get_xlabel() and "inference probability q" in ax.get_xlabel()
     assert "log scale" in ax.get_ylabel() and "trainer probability p" in ax.get_ylabel()
@@ -146,7 +149,7 @@ def test_scatter_log_axes(data):
 @pytest.mark.parametrize("log", [False, True])
 def test_scatter_extra_rules(data, log):
     kpop = parse_rule("kpop@prime-rl")
-    fig = plots.scatter(data, log=log, extra=[kpop, parse_rule("dppo-tv@prime-rl")])
+    fig = viz.scatter(data, log=log, extra=[kpop, parse_rule("dppo-tv@prime-rl")])
     ax = fig.axes[0]
     texts = legend_texts(ax.get_legend())
     assert "KPop max BKL ≤ 0.1" in texts
@@ -172,11 +175,11 @@ def test_scatter_extra_rules(data, log):
 
 def test_scatter_rejects_rules_without_a_boundary(data):
     with pytest.raises(UsageError, match="no boundary"):
-        plots.scatter(data, log=False, extra=[parse_rule("tis")])
+        viz.scatter(data, log=False, extra=[parse_rule("tis")])
 
 
 def test_scatter_panels(data):
-    fig = plots.scatter_panels(data)
+    fig = viz.scatter_panels(data)
     assert len(fig.axes) == 4  # two panels, two colourbars
     lin, log = (ax for ax in fig.axes if ax.images)
     assert lin.get_xlim() == (0.0, 1.0) and log.get_xlim() == (-8.0, 0.0)
@@ -189,7 +192,7 @@ def test_scatter_panels(data):
 def test_scatter_into_given_axes(data):
     fig = Figure()
     ax = fig.add_subplot()
-    assert plots.scatter(data, ax, log=True) is fig
+    assert viz.scatter(data, ax, log=True) is fig
     assert ax.images
 
 
@@ -208,7 +211,7 @@ def sweep_lines(fig) -> dict[str, Line2D]:
 
 def test_masked_fraction_one_line_per_rule_setting_param(data):
     table = data.sweep
-    fig = plots.masked_fraction(table, target_fraction=0.01)
+    fig = viz.masked_fraction(table, target_fraction=0.01)
     lines = sweep_lines(fig)
     keys = table.select("rule", "setting", "param").unique().rows()
     assert set(lines) == {f"sweep|{r}|{s}|{p}" for r, s, p in keys}
@@ -224,10 +227,10 @@ def test_masked_fraction_one_line_per_rule_setting_param(data):
 
 
 def test_masked_fraction_panels_scales_and_labels(data):
-    fig = plots.masked_fraction(data.sweep, target_fraction=0.01)
+    fig = viz.masked_fraction(data.sweep, target_fraction=0.01)
     panels = [ax for ax in fig.axes if ax.get_lines()]
     titles = [ax.get_title() for ax in panels]
-    assert titles == [f.title for f in plots.FAMILIES]
+    assert titles == [f.title for f in viz.FAMILIES]
     for ax in panels:
         assert ax.get_yscale() == "log"
         assert ax.get_xscale() == "log"  # every default grid is log-spaced
@@ -254,7 +257,7 @@ def test_masked_fraction_panels_scales_and_labels(data):
 
 def test_masked_fraction_markers_at_presets(data):
     table = data.sweep
-    fig = plots.masked_fraction(table)
+    fig = viz.masked_fraction(table)
     marks = {}
     for ax in fig.axes:
         for ln in ax.get_lines():
@@ -280,7 +283,7 @@ def test_masked_fraction_markers_at_presets(data):
     assert "preset|icepop|low=0.5|high|5|verl, areal, paper" in marks
     assert not any(k.startswith("preset|icepop|low=0.5|high|5|prime-rl") for k in marks)
     # every exact marker sits on the table's value
-    pts = plots.preset_points(table)
+    pts = viz.preset_points(table)
     for r in pts.filter(pl.col("exact")).iter_rows(named=True):
         rows = fraction_of(table, r["rule"], r["setting"], r["param"])
         col = "truncated_fraction" if r["kind"] == "weight" else "masked_fraction"
@@ -290,23 +293,23 @@ def test_masked_fraction_markers_at_presets(data):
 
 
 def test_masked_fraction_rules_filter_and_axes(data):
-    fig = plots.masked_fraction(data.sweep, rules=["ipo", parse_rule("icepop@verl")])
+    fig = viz.masked_fraction(data.sweep, rules=["ipo", parse_rule("icepop@verl")])
     panels = [ax for ax in fig.axes if ax.get_lines()]
     assert len(panels) == 2
     assert {g.split("|")[1] for g in sweep_lines(fig)} == {"ipo", "icepop"}
     # a single Axes works for one family, and refuses several
     one = Figure().add_subplot()
-    plots.masked_fraction(data.sweep, one, rules=["ipo"])
+    viz.masked_fraction(data.sweep, one, rules=["ipo"])
     assert {g.split("|")[1] for g in sweep_lines(one.figure)} == {"ipo"}
     with pytest.raises(UsageError, match="parameter families"):
-        plots.masked_fraction(data.sweep, Figure().add_subplot(), rules=["ipo", "icepop"])
+        viz.masked_fraction(data.sweep, Figure().add_subplot(), rules=["ipo", "icepop"])
     with pytest.raises(UsageError):
-        plots.masked_fraction(data.sweep, rules=["no-such-rule"])
+        viz.masked_fraction(data.sweep, rules=["no-such-rule"])
 
 
 def test_masked_fraction_grouped_table_is_summed(data):
     """A by-step table draws one point per setting: the exact overall fraction."""
-    fig = plots.masked_fraction(data.steps, rules=["ipo"])
+    fig = viz.masked_fraction(data.steps, rules=["ipo"])
     lines = sweep_lines(fig)
     (ln,) = lines.values()  # both IPO settings share (rule, setting, param): one line
     t = data.steps.filter(pl.col("rule") == "ipo")
@@ -331,7 +334,7 @@ def test_masked_fraction_zero_and_null_fractions():
             "kind": ["mask"] * 4,
         }
     )
-    fig = plots.masked_fraction(table, markers=True)
+    fig = viz.masked_fraction(table, markers=True)
     (ln,) = sweep_lines(fig).values()
     np.testing.assert_allclose(ln.get_xdata(), [0.1, 0.2, 0.3])  # the null row is dropped
     np.testing.assert_allclose(ln.get_ydata(), [0.03, 0.01, 0.005])  # 0 -> 0.5 / 100
@@ -343,11 +346,99 @@ def test_masked_fraction_zero_and_null_fractions():
     assert_no_nan(fig)
 
 
+def drawn(fig: Figure):
+    """The figure drawn as a page shows it: an Agg canvas, then its renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    return fig.canvas.get_renderer()
+
+
+def preset_label_boxes(fig: Figure, renderer) -> list[tuple]:
+    """(axes, gid, text, display bbox) of every preset label."""
+    out = []
+    for ax in fig.axes:
+        for t in ax.texts:
+            gid = t.get_gid() or ""
+            if gid.startswith("preset-label|"):
+                out.append((ax, gid, t.get_text(), t.get_window_extent(renderer)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sample_data():
+    from mismatch_replay.viz.jobs import sample_path
+
+    if not sample_path().exists():
+        pytest.skip("bundled sample not built")
+    return analysis.figure_data([str(sample_path())])
+
+
+@pytest.mark.parametrize("which", ["golden", "sample"])
+def test_preset_labels_never_overlap(which, data, sample_data):
+    """masked_fraction.png's preset labels: no two overlap, none covers a preset marker, each
+    stays inside its panel (measured after a real draw, at the figure's size)."""
+    d = data if which == "golden" else sample_data
+    fig = viz.masked_fraction(d.sweep, target_fraction=0.0025)
+    renderer = drawn(fig)
+    boxes = preset_label_boxes(fig, renderer)
+    assert len(boxes) >= 15
+    for i, (ax_a, gid_a, _, a) in enumerate(boxes):
+        assert ax_a.get_window_extent(renderer).contains(a.x0, a.y0), gid_a
+        assert ax_a.get_window_extent(renderer).contains(a.x1, a.y1), gid_a
+        for _, gid_b, _, b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (gid_a, gid_b)
+        for ln in ax_a.get_lines():
+            if (ln.get_gid() or "").startswith("preset|"):
+                assert not a.overlaps(ln.get_window_extent(renderer)), (gid_a, ln.get_gid())
+    # a leader line ties a label that had to move away to its marker, in its colour
+    leaders = [
+        t for ax in fig.axes for t in ax.texts if (t.get_gid() or "").startswith("preset-leader|")
+    ]
+    texts = {t.get_gid(): t for ax in fig.axes for t in ax.texts}
+    for t in leaders:
+        label = texts[t.get_gid().replace("-leader|", "-label|")]
+        assert math.hypot(*t.xyann) > 8 and t.xyann == label.xyann  # from marker to label
+        assert to_rgba(t.arrow_patch.get_edgecolor()) == to_rgba(label.get_color())
+
+
+def test_preset_labels_are_not_repeated(data):
+    """A band's two sides at one preset (IPO-v1 low = high = 0.2, prime-rl-legacy) get one
+    label; a curve drawn as another's (token-MIS = IcePop) names only its own presets, with
+    its rule."""
+    fig = viz.masked_fraction(data.sweep)
+    drawn(fig)
+    texts = {t.get_gid(): t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid()}
+    ipo_v1 = [g for g in texts if g.startswith("preset-label|ipo-v1|")]
+    assert len(ipo_v1) == 1 and texts[ipo_v1[0]] == "prime-rl-legacy"
+    marks = [
+        ln.get_gid()
+        for ax in fig.axes
+        for ln in ax.get_lines()
+        if (ln.get_gid() or "").startswith("preset|ipo-v1|")
+    ]
+    assert len(marks) == 2  # both markers stay
+    mis = {g: t for g, t in texts.items() if g.startswith("preset-label|token-mis|")}
+    assert mis and all(t.startswith("token-MIS ") for t in mis.values())
+    assert "token-MIS trl" in mis.values()  # high = 2: not an IcePop preset
+    assert not any("verl" in t for t in mis.values())  # verl's = IcePop's, labelled there
+    # texts of one panel are unique per rule where the markers share their x
+    for ax in fig.axes:
+        seen = set()
+        for t in ax.texts:
+            gid = t.get_gid() or ""
+            if gid.startswith("preset-label|"):
+                _, rule, _, _, value = gid.split("|")
+                assert (rule, value, t.get_text()) not in seen, gid
+                seen.add((rule, value, t.get_text()))
+
+
 # ----------------------------------------------------------------------------- steps
 
 
 def test_steps(data):
-    fig = plots.steps(data)
+    fig = viz.steps(data)
     top, bottom = fig.axes
     assert top.get_shared_x_axes().joined(top, bottom)
     assert top.get_yscale() == "log" and bottom.get_yscale() == "log"
@@ -366,7 +457,7 @@ def test_steps(data):
         np.testing.assert_array_equal(ln.get_xdata(), rows["step"].to_numpy())
         want = np.maximum(rows["masked_fraction"].to_numpy(), 0.5 / rows["tokens"].to_numpy())
         np.testing.assert_allclose(ln.get_ydata(), want)
-        assert ln.get_color() == plots.rule_color(
+        assert ln.get_color() == viz.rule_color(
             spec.split(":")[0].split("@")[0]
         )  # a preset: its rule's
     texts = legend_texts(bottom.get_legend())
@@ -379,7 +470,7 @@ def test_steps(data):
 
 
 def test_bucket_labels():
-    assert plots.bucket_labels() == [
+    assert viz.bucket_labels() == [
         "[0, 1e-4)",
         "[1e-4, 1e-3)",
         "[1e-3, 0.01)",
@@ -394,17 +485,17 @@ def test_bucket_labels():
 
 
 def test_where_masked(data):
-    fig = plots.where_masked(data)
+    fig = viz.where_masked(data)
     (ax,) = fig.axes
     assert ax.get_yscale() == "log"
     ticks = [t.get_text().split("\n")[0] for t in ax.get_xticklabels()]
-    assert ticks == plots.bucket_labels()
+    assert ticks == viz.bucket_labels()
     assert "inference probability q" in ax.get_xlabel()
     specs = data.buckets["spec"].unique(maintain_order=True).to_list()
     for spec in specs:
         bars = [p for p in ax.patches if p.get_gid() == f"bucket|{spec}"]
         if not bars:  # matplotlib puts the gid on the container; fall back to the label
-            (cont,) = [c for c in ax.containers if c.get_label() == plots.spec_label(spec)]
+            (cont,) = [c for c in ax.containers if c.get_label() == viz.spec_label(spec)]
             bars = list(cont)
         rows = data.buckets.filter(pl.col("spec") == spec)
         assert len(bars) == rows.height
@@ -420,20 +511,96 @@ def test_where_masked(data):
     assert_no_nan(fig)
 
 
+# ----------------------------------------------------------------------------- by length
+
+
+def length_reference(path) -> pl.DataFrame:
+    from mismatch_replay import engine
+    from mismatch_replay.analysis.figure_data import LENGTH_SETTINGS
+
+    return engine.sweep([str(path)], rules=list(LENGTH_SETTINGS), by="length").table
+
+
+@pytest.mark.parametrize("which", ["golden", "sample"])
+def test_masked_by_length_is_drawn_from_engine_sweep_by_length(which, data, sample_data):
+    """FigureData.by_length is `engine.sweep(..., by="length")` of the length settings (a
+    product and a geometric sequence rule, a token rule), and masked_by_length.png draws
+    it: one line per setting, each point the bucket's masked fraction (zeros on the
+    floor)."""
+    from mismatch_replay.analysis.figure_data import LENGTH_SETTINGS
+    from mismatch_replay.viz.jobs import sample_path
+
+    d, path = (data, GOLDEN) if which == "golden" else (sample_data, sample_path())
+    ref = length_reference(path)
+    assert d.by_length is not None
+    assert_frame_equal(d.by_length, ref)  # NaN where a column is undefined, as there
+    specs = d.by_length["spec"].unique(maintain_order=True).to_list()
+    assert [s.split(":")[0] for s in specs] == list(LENGTH_SETTINGS)
+    assert "masked_by_length" in viz.figures(d)
+    fig = viz.figures(d)["masked_by_length"]()
+    (ax,) = fig.axes
+    lines = lines_by_gid(ax)
+    for spec in specs:
+        rows = ref.filter(pl.col("spec") == spec).sort("length")
+        y = rows["masked_fraction"].to_numpy()
+        got = lines[f"length|{spec}"].get_ydata()
+        np.testing.assert_allclose(got[y > 0], y[y > 0])
+        if (y == 0).any():  # zeros sit on one floor row, hollow
+            assert set(lines[f"floor|{spec}"].get_ydata()) == {got[y == 0][0]}
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert all("seq" in t for t in ticks)
+    assert_no_nan(fig)
+    if which == "golden":  # the story: the product climbs with length, the mean does not
+        frac = {
+            s.split("@")[0] + "@" + s.split("@")[1].split(":")[0]: ref.filter(
+                pl.col("spec") == s
+            ).sort("length")["masked_fraction"]
+            for s in specs
+        }
+        assert frac["seq-mis@verl"][-1] > frac["geo-mis@skyrl"][-1]
+        assert frac["seq-mis@verl"].is_sorted()
+        assert len(ticks) == 5
+    else:  # every sequence of the sample has 40 loss tokens: one bucket, said in the title
+        assert len(ticks) == 1 and "one bucket" in ax.get_title()
+
+
+def test_masked_by_length_absent_with_a_note_without_sequence_ids(tmp_path):
+    from mismatch_replay.analysis.figure_data import NO_LENGTH_NOTE
+
+    log = tmp_path / "no_ids.parquet"
+    pl.read_parquet(GOLDEN).drop("sample_id").write_parquet(log)
+    d = analysis.figure_data([str(log)])
+    assert d.by_length is None and NO_LENGTH_NOTE in d.notes
+    assert "masked_by_length" not in viz.figures(d)
+    paths = viz.render_all(d, tmp_path / "figs", dpi=30)
+    assert set(paths) == set(viz.FIGURES) - {"masked_by_length"}
+    assert not (tmp_path / "figs" / "masked_by_length.png").exists()
+
+
 # ----------------------------------------------------------------------------- files
 
 
 def test_render_all_writes_and_refuses_overwrite(data, tmp_path):
     out = tmp_path / "figs"
-    paths = plots.render_all(data, out, dpi=40)
-    assert set(paths) == {"scatter", "masked_fraction", "steps", "where_masked"}
+    paths = viz.render_all(data, out, dpi=40)
+    assert (
+        set(paths)
+        == set(viz.FIGURES)
+        == {
+            "scatter",
+            "masked_fraction",
+            "steps",
+            "where_masked",
+            "masked_by_length",
+        }
+    )
     for name, p in paths.items():
         assert p == out / f"{name}.png"
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
     before = paths["scatter"].stat().st_mtime_ns
     with pytest.raises(UsageError, match="pass --force") as err:
-        plots.render_all(data, out, dpi=40)
+        viz.render_all(data, out, dpi=40)
     assert "scatter.png" in str(err.value)
     assert paths["scatter"].stat().st_mtime_ns == before
 
@@ -446,11 +613,87 @@ def test_render_all_force_and_formats(data, tmp_path, monkeypatch):
         fig.add_subplot().plot([0, 1], [0, 1])
         return fig
 
-    monkeypatch.setattr(plots, "figures", lambda d, t=None: {n: tiny for n in plots.FIGURES})
+    monkeypatch.setattr(render, "figures", lambda d, t=None: {n: tiny for n in viz.FIGURES})
     (tmp_path / "steps.svg").write_text("old")
     with pytest.raises(UsageError, match=r"steps\.svg.*pass --force"):
-        plots.render_all(data, tmp_path, fmt="svg")
-    paths = plots.render_all(data, tmp_path, fmt="svg", force=True)
+        viz.render_all(data, tmp_path, fmt="svg")
+    paths = viz.render_all(data, tmp_path, fmt="svg", force=True)
     assert paths["steps"].read_text().lstrip().startswith("<?xml")
     with pytest.raises(UsageError, match="figure format"):
-        plots.render_all(data, tmp_path, fmt="jpg")
+        viz.render_all(data, tmp_path, fmt="jpg")
+
+
+# ----------------------------------------------------------------------------- rule metadata
+
+
+def test_rules_declare_their_look_and_panels_keep_colours_apart():
+    """Label, colour and panel come from the rule classes; rules drawn in one masked-fraction
+    panel never share a colour."""
+    assert REGISTRY["ipo"].label == "IPO" and viz.display_name("ipo") == "IPO"
+    assert REGISTRY["veto"].label == "veto"  # no label set: the rule's name
+    assert viz.display_name("not-a-rule") == "not-a-rule"
+    panels: dict[str, dict[str, str]] = {}
+    for name, cls in REGISTRY.items():
+        assert cls.color and viz.rule_color(name) == cls.color, name
+        for p in cls.params:
+            fam = viz.family_of(name, p.name)
+            assert fam in viz.FAMILIES, (name, p.name)  # every built-in has its panel
+            panels.setdefault(fam.key, {})[name] = cls.color
+    for key, colors in panels.items():
+        assert len(set(colors.values())) == len(colors), (key, colors)
+    assert viz.family_of("dual-clip", "c").key == "ratio"
+    assert viz.family_of("dual-clip", "eps_high").key == "clip"
+
+
+def test_a_rule_defined_outside_the_package_gets_a_default_look():
+    from dataclasses import dataclass
+
+    from mismatch_replay.rules import IPO, Rule
+
+    @dataclass(frozen=True)
+    class Wide(IPO):  # a subclass with its own name: not "IPO", not IPO's colour
+        name = "wide-ipo-test"
+
+    assert Wide.label == "wide-ipo-test"
+    assert viz.curves.panel_key(Wide, "eps") == "dp"  # from the quantity it thresholds
+
+    @dataclass(frozen=True)
+    class Plain(Rule):
+        name = "plain-test"
+
+    assert Plain.label == "plain-test" and Plain.color is None
+    assert viz.curves.panel_key(Plain, "x") == "other"
+    # not registered: a stable spare colour, the "Other rules" panel
+    assert viz.rule_color("plain-test") == viz.rule_color("plain-test") in viz.style.SPARE
+    assert viz.family_of("plain-test", "x") is viz.OTHER
+
+    @dataclass(frozen=True)
+    class AbsL(Rule):  # |l| > eps: a token rule on a declared quantity, no panel of its own
+        name = "abs-l-test"
+        quantities = {"eps": "|l|"}
+
+    assert viz.curves.panel_key(AbsL, "eps") == "kl"  # nats: the divergence panel
+
+
+def test_every_quantity_has_a_panel_and_token_rules_take_theirs_from_it():
+    from mismatch_replay.fast import QUANTITIES
+
+    assert set(viz.curves.PANEL_OF_QUANTITY) == set(QUANTITIES)
+    assert REGISTRY["ipo"].panel is None and viz.family_of("ipo", "eps").key == "dp"
+    assert viz.family_of("icepop", "low").key == "ratio"
+    assert viz.family_of("seq-mis", "low").key == "seqratio"  # declared: no token quantity
+
+
+def test_colors_override_the_rules_own(data):
+    mine = {"ipo": "#123456", "icepop": "#abcdef"}
+    ln = lines_by_gid(viz.scatter(data, log=True, colors=mine).axes[0])
+    assert ln["ipo-upper|eps=0.3"].get_color() == "#123456"
+    assert ln["icepop-high|low=0.2,high=5"].get_color() == "#abcdef"
+    lines = sweep_lines(viz.masked_fraction(data.sweep, rules=["ipo", "kpop"], colors=mine))
+    assert lines["sweep|ipo||eps"].get_color() == "#123456"
+    assert lines["sweep|kpop|clamp=1e-06|phi"].get_color() == REGISTRY["kpop"].color
+    bottom = viz.steps(data, colors=mine).axes[1]
+    ipo = [x for x in bottom.get_lines() if (x.get_gid() or "").startswith("step|ipo")]
+    assert ipo and all(x.get_color() == "#123456" for x in ipo)
+    bars = viz.where_masked(data, colors=mine).axes[0].patches
+    assert any(b.get_facecolor()[:3] == (0x12 / 255, 0x34 / 255, 0x56 / 255) for b in bars)

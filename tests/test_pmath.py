@@ -1,6 +1,6 @@
 """pmath: one exp/expm1/log for both engine paths, the same bits on every CPU.
 
-Three claims, each tested: (1) pmath's numpy functions and the fused kernel's `_vmath`
+Three claims, each tested: (1) pmath's numpy functions and the fused kernel's `fast.vmath`
 functions are bit-identical; (2) both are within a few ulps of the C library (Python's
 `math`, not numpy's dispatched loops); (3) no engine result depends on numpy's own exp,
 expm1 or log: with those replaced by versions that differ in the last bit on a share of the
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from conftest import random_log, write_log
 
-from mismatch_replay import engine, io, kernels, pmath
+from mismatch_replay import engine, fast, ingest, pmath
 
-needs_numba = pytest.mark.skipif(kernels.backend() != "numba", reason="numba is not installed")
+needs_numba = pytest.mark.skipif(fast.backend() != "numba", reason="numba is not installed")
 
 RNG = np.random.default_rng(2026)
 X = np.r_[
@@ -45,10 +45,10 @@ def _ulps(y: np.ndarray, ref: np.ndarray) -> np.ndarray:
 @needs_numba
 @pytest.mark.parametrize(("name", "kind", "x", "_"), CASES)
 def test_pmath_is_bit_identical_to_the_kernels_functions(name, kind, x, _):
-    from mismatch_replay import _vmath
+    from mismatch_replay.fast import vmath
 
     out = np.empty_like(x)
-    _vmath.apply(kind, x, out)
+    vmath.apply(kind, x, out)
     y = getattr(pmath, name)(x)
     same = out.view(np.uint64) == y.view(np.uint64)
     assert same.all(), (name, x[~same][:5], out[~same][:5], y[~same][:5])
@@ -122,8 +122,8 @@ def test_no_result_depends_on_numpys_dispatched_exp_and_log(tmp_path, monkeypatc
     """A second CPU emulated: numpy's exp/expm1/log nudged by one ulp on 1 value in 19."""
     rng = np.random.default_rng(11)
     path = write_log(tmp_path / "log.parquet", random_log(rng, steps=3, seqs=10, max_len=40))
-    opts = io.ReadOptions(batch_rows=113)
-    with kernels.use_backend(backend):
+    opts = ingest.ReadOptions(batch_rows=113)
+    with fast.use_backend(backend):
         before = _everything(engine.sweep([path], by="step", options=opts))
         for name in ("exp", "expm1", "log", "log1p"):
             monkeypatch.setattr(np, name, _nudged(getattr(np, name)))

@@ -26,8 +26,8 @@ from conftest import GOLDEN_LOG, canonical_log, write_log
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, kernels, pmath
-from mismatch_replay.rules import REGISTRY, parse_rule
+from mismatch_replay import engine, fast, pmath
+from mismatch_replay.rules import REGISTRY, parse_rule, token
 
 # ----------------------------------------------------------------------------- edge log
 
@@ -231,9 +231,9 @@ BACKENDS = ["numpy", "numba"]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    if request.param == "numba" and kernels.backend() == "numpy":
+    if request.param == "numba" and fast.backend() == "numpy":
         pytest.skip("numba is not installed")
-    with kernels.use_backend(request.param):
+    with fast.use_backend(request.param):
         yield request.param
 
 
@@ -359,7 +359,7 @@ def test_presets_stay_on_the_fast_path_where_their_arithmetic_allows():
         rule = preset_rule(spec, precision)
         param = next(p.name for p in rule.params if p.threshold)
         value = float(getattr(rule, param) or 0.5)
-        return kernels.Program([Job(rule, param, np.array([value]))]).slot[0]
+        return fast.Program([Job(rule, param, np.array([value]))]).slot[0]
 
     for spec in ("icepop@verl", "icepop@prime-rl", "ipo@prime-rl", "dppo-tv@verl", "tis@trl"):
         assert slot(spec) >= 0, spec
@@ -385,11 +385,11 @@ def test_preset_windows_cover_the_framework_forms():
         q = np.clip(pmath.exp(lq), c, 1 - c)
         a = np.fmax(binary_kl_prob(p, q), binary_kl_prob(q, p))
         b = np.maximum(binary_kl(lp, lq, c), binary_kl(lq, lp, c))
-        assert np.abs(a - b).max() < 0.01 * kernels.FUZZY_KL / c
+        assert np.abs(a - b).max() < 0.01 * token.FUZZY_KL / c
     hi, lo = np.maximum(lp, lq), np.minimum(lp, lq)
     stable = pmath.exp(hi) * -pmath.expm1(lo - hi)
     prob = np.abs(pmath.exp(lp) - pmath.exp(lq))
-    assert np.abs(prob - stable).max() < 0.1 * kernels.FUZZY_PROB
+    assert np.abs(prob - stable).max() < 0.1 * token.FUZZY_PROB
 
 
 # ----------------------------------------------------------------------------- float32
@@ -458,7 +458,7 @@ def test_presets_equal_their_frameworks_on_random_logs(df, spec):
             L, fn(L, ref_values(spec, rule), torch.float64), rule.kind == "weight"
         )
         for backend in ("numpy", "numba"):
-            with kernels.use_backend(backend):
+            with fast.use_backend(backend):
                 assert engine_counts(path, rule) == want, (spec, backend, src)
 
 
@@ -481,21 +481,22 @@ def test_m2po_presets_on_a_step_larger_than_the_store_chunk(logs, monkeypatch):
 def test_precision_reaches_choose_compare_and_the_report(tmp_path):
     """--precision float32 as a library parameter: sweep, choose, compare, the report; a
     report line where float32 and float64 disagree by more than the threshold."""
-    from mismatch_replay import analysis, pipeline
+    from mismatch_replay import analysis
     from mismatch_replay.errors import UsageError
+    from mismatch_replay.viz import jobs
 
     with pytest.raises(UsageError, match="float32"):
         engine.sweep([GOLDEN_LOG], rules=["ipo"], precision="float16")
     f32 = framework("kpop@areal", GOLDEN_LOG, torch.float32)["total"]
     res = analysis.compare([GOLDEN_LOG], "kpop@areal", "icepop@areal", precision="float32")
-    assert res["masked_a"] == f32
+    assert res.masked_a == f32
     rows = analysis.choose([GOLDEN_LOG], None, ["kpop@areal"], bootstrap=0, precision="float32")
-    assert rows[0]["masked_tokens"] == f32
+    assert rows[0].masked_tokens == f32
     check = analysis.precision_check([GOLDEN_LOG], ["kpop@areal", "icepop@areal"])
-    flagged = [r["spec"] for r in check["rows"] if r["flagged"]]
-    assert flagged == ["kpop@areal:phi=2,clamp=1e-08"] and len(check["lines"]) == 1
-    assert "float32" in check["lines"][0] and f"{f32:,}" in check["lines"][0]
-    page = pipeline.report(
+    flagged = [r.spec for r in check.rows if r.flagged]
+    assert flagged == ["kpop@areal:phi=2,clamp=1e-08"] and len(check.lines) == 1
+    assert "float32" in check.lines[0] and f"{f32:,}" in check.lines[0]
+    page = jobs.report(
         [GOLDEN_LOG], tmp_path / "r", "cmd", ["kpop@areal"], bootstrap=0, precision="float32"
     ).read_text()
-    assert "float32 vs float64" in page and check["lines"][0].split(":")[0] in page
+    assert "float32 vs float64" in page and check.lines[0].split(":")[0] in page

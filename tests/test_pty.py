@@ -30,9 +30,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import typer
 
 from mismatch_replay import cli
-from mismatch_replay.pipeline import sample_path
+from mismatch_replay.cli import core, render
+from mismatch_replay.viz.jobs import sample_path
 
 GOLDEN = str(Path(__file__).parent / "data" / "golden_log.parquet")
 GOLDEN_ROWS = 20_969  # raw rows of the golden log (inspect: "rows")
@@ -201,6 +203,17 @@ def test_sweep_every_rule(cols, tmp_path):
 
 
 @pytest.mark.parametrize("cols", WIDTHS)
+def test_sweep_verbose_paths(cols, tmp_path):
+    """--verbose: each job's path on stderr, every rule setting whole, even at 80 columns."""
+    args = ["sweep", GOLDEN, "--verbose", "-o", "all.parquet"]
+    out = check(*run_pty(args, cols, tmp_path), cols, "sweep", GOLDEN_ROWS)
+    w = words(out)
+    assert "path of each job" in out
+    assert {"dual-clip:eps_low=0.2,eps_high=0.2", "dppo-kl:high=0.05,clamp=1e-06"} <= w
+    assert {"fused", "simple", "eps_high", "prob-error"} <= w and "sequence rule" in out
+
+
+@pytest.mark.parametrize("cols", WIDTHS)
 def test_sweep_by_step(cols, tmp_path):
     args = ["sweep", GOLDEN, "--by", "step", "-r", "ipo:eps=0.3", "-r", "dual-clip"]
     out = check(*run_pty(args, cols, tmp_path), cols, "sweep", GOLDEN_ROWS)
@@ -259,9 +272,10 @@ def test_drift(cols, tmp_path):
 
 
 def test_drift_negative_k1(tmp_path):
-    """The bundled sample: k1 is negative at some steps (-2.37e-05 was cut to '-2.37e-…')."""
+    """The bundled sample: k1 is negative at some steps (step 0: -0.000197; an earlier
+    sample's -2.37e-05 was cut to '-2.37e-…')."""
     out = check(*run_pty(["drift", str(sample_path())], 80, tmp_path), 80, "drift")
-    assert {"-2.37e-05", "DRIFT", "5.18%"} <= words(out)
+    assert {"-0.000197", "DRIFT", "10.1%"} <= words(out)
 
 
 @pytest.mark.parametrize("cols", WIDTHS)
@@ -277,7 +291,7 @@ def test_report(cols, tmp_path):
     rc, raw = run_pty(args, cols, tmp_path)
     out = check(rc, raw, cols, "report", GOLDEN_ROWS)
     assert "report: rep/index.html" in out
-    assert "report (pass" not in plain(raw)  # one bar through every pass (pipeline.Stages)
+    assert "report (pass" not in plain(raw)  # one bar through every pass (viz.jobs.Stages)
     assert f"{GOLDEN_ROWS:,}/{GOLDEN_ROWS:,} rows" in plain(raw)
 
 
@@ -306,7 +320,7 @@ def test_simulate(tmp_path):
 
 # ----------------------------------------------------------------------------- --help
 
-COMMANDS = tuple(cli.typer.main.get_command(cli.app).commands)  # every registered command
+COMMANDS = tuple(typer.main.get_command(cli.app).commands)  # every registered command
 
 
 @pytest.mark.parametrize("cols", WIDTHS)
@@ -324,7 +338,7 @@ def test_top_level_help_keeps_sentences_whole(cols, tmp_path):
             continue
         name = m.group(1) or name
         summary.setdefault(name, []).append(m.group(2))
-    cmds = cli.typer.main.get_command(cli.app).commands
+    cmds = typer.main.get_command(cli.app).commands
     assert set(summary) == set(COMMANDS) and len(COMMANDS) >= 11
     for n, parts in summary.items():
         first = cmds[n].help.split("\n\n")[0]
@@ -354,14 +368,14 @@ def _progress_text(calls) -> str:
 
     buf = io.StringIO()
     term = Console(file=buf, force_terminal=True, width=100, color_system=None)
-    old, cli.err = cli.err, term
+    old, render.err = render.err, term
     try:
-        with cli._progress("sweep") as cb:
+        with render.progress("sweep") as cb:
             assert cb is not None
             for done, total in calls:
                 cb(done, total)
     finally:
-        cli.err = old
+        render.err = old
     return plain(buf.getvalue())
 
 
@@ -375,8 +389,8 @@ def test_progress_line_unknown_total_estimates_and_passes():
     text = _progress_text([(10, 10), (10, 10), (4, 10), (10, 10)])
     assert "sweep (pass 3) " in text and "10/10 rows" in text
     # without a terminal, no display and no callback
-    assert not cli.err.is_terminal
-    with cli._progress("sweep") as cb:
+    assert not render.err.is_terminal
+    with render.progress("sweep") as cb:
         assert cb is None
 
 
@@ -387,12 +401,13 @@ def _stderr_of(fn) -> str:
     from rich.console import Console
 
     buf = io.StringIO()
-    old, cli.err = cli.err, Console(file=buf, force_terminal=True, width=200, color_system=None)
+    term = Console(file=buf, force_terminal=True, width=200, color_system=None)
+    old, render.err = render.err, term
     try:
-        with pytest.raises(cli.typer.Exit):
-            cli._run(fn)
+        with pytest.raises(typer.Exit):
+            core.run(fn)
     finally:
-        cli.err = old
+        render.err = old
     return buf.getvalue()
 
 

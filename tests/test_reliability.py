@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -25,10 +26,12 @@ import polars as pl
 import pytest
 from conftest import GOLDEN_LOG, assert_tables_equal
 
-from mismatch_replay import convert as conv
-from mismatch_replay import engine, io, output, rules
+from mismatch_replay import engine, ingest, output, rules
+from mismatch_replay.engine import m2po as m2po_store
 from mismatch_replay.errors import DataError, OutputError, ReplayError, UsageError
-from mismatch_replay.summary import inspect_log
+from mismatch_replay.ingest import canonical
+from mismatch_replay.ingest import convert as conv
+from mismatch_replay.ingest.inspect import inspect_log
 
 GOLDEN = str(GOLDEN_LOG)
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,14 +89,14 @@ def test_fractional_steps_are_refused_not_truncated(tmp_path):
         step=[0.0, 0.25, 0.5, 0.75] * 5,
     )  # fmt: skip
     with pytest.raises(DataError) as e:
-        io.read_table([p])
+        ingest.read_table([p])
     msg = str(e.value)
     assert "frac.parquet: column 'step': 15 of 20 rows are not whole numbers (e.g. 0.25)" in msg
     assert "Write integer steps" in msg
     whole = _write(
         tmp_path, "whole.parquet", trainer_logprob=lp, inference_logprob=lq, step=[1.0, 2.0] * 10
     )
-    assert io.read_table([whole])["step"].to_list() == [1, 2] * 10
+    assert ingest.read_table([whole])["step"].to_list() == [1, 2] * 10
 
 
 def test_null_loss_mask_rows_are_an_error_and_dropped_with_a_count(tmp_path):
@@ -101,11 +104,11 @@ def test_null_loss_mask_rows_are_an_error_and_dropped_with_a_count(tmp_path):
     mask = [True, None, False, True] * 250
     p = _write(tmp_path, "m.parquet", trainer_logprob=lp, inference_logprob=lq, loss_mask=mask)
     with pytest.raises(DataError) as e:
-        io.read_table([p])
+        ingest.read_table([p])
     assert "column 'loss_mask': 250 of 750 loss rows are null" in str(e.value)
     assert "--drop-invalid" in str(e.value)
-    rep = io.ReadReport()
-    got = io.read_table([p], io.ReadOptions(drop_invalid=True), report=rep)
+    rep = ingest.ReadReport()
+    got = ingest.read_table([p], ingest.ReadOptions(drop_invalid=True), report=rep)
     keep = np.array([m is True for m in mask])
     assert got.height == keep.sum() == 500
     np.testing.assert_array_equal(got["trainer_logprob"].to_numpy(), lp[keep])
@@ -117,13 +120,13 @@ def test_null_logprobs_are_reported_once_and_counted_once(tmp_path):
     t = [None if i < 5 else float(v) for i, v in enumerate(lp)]
     p = _write(tmp_path, "n.parquet", trainer_logprob=t, inference_logprob=lq)
     with pytest.raises(DataError) as e:
-        io.read_table([p])
+        ingest.read_table([p])
     msg = str(e.value)
     assert msg.count("column 'trainer_logprob'") == 1
     assert "5 of 20 loss rows are null." in msg
     assert "NaN" not in msg and "inf" not in msg and "above 0" not in msg
-    rep = io.ReadReport()
-    io.read_table([p], io.ReadOptions(drop_invalid=True), report=rep)
+    rep = ingest.ReadReport()
+    ingest.read_table([p], ingest.ReadOptions(drop_invalid=True), report=rep)
     assert rep.dropped == {(str(p), "trainer_logprob"): 5, (str(p), "*"): 5}
     # inspect: 3 nulls and 2 NaN in one column, 1 null in the other: counted per column
     t2 = [None, None, None, float("nan"), float("nan"), *lp[5:]]
@@ -141,8 +144,8 @@ def test_null_step_or_sample_id_is_an_invalid_row(tmp_path):
         step=[None, 1, 1, 1], sample_id=[3, None, 3, 3],
     )  # fmt: skip
     with pytest.raises(DataError, match="column 'step': 1 of 4 loss rows are null; column "):
-        io.read_table([p])
-    assert io.read_table([p], io.ReadOptions(drop_invalid=True)).height == 2
+        ingest.read_table([p])
+    assert ingest.read_table([p], ingest.ReadOptions(drop_invalid=True)).height == 2
 
 
 @pytest.mark.parametrize(
@@ -158,7 +161,7 @@ def test_text_columns_are_one_sentence_not_a_traceback(tmp_path, col, value, tex
     cols = {"trainer_logprob": lp, "inference_logprob": lq, col: [value] * 20}
     p = _write(tmp_path, "t.parquet", **cols)
     with pytest.raises(DataError) as e:
-        io.plan_sources([p])
+        ingest.plan_sources([p])
     assert text in str(e.value) and "in all 20 rows" in str(e.value)
     assert "--map" in str(e.value)
 
@@ -169,29 +172,29 @@ def test_nested_columns_are_refused_or_left_out_with_a_warning(tmp_path):
         tmp_path, "lol.parquet", trainer_logprob=[[[-0.1]]] * 6, inference_logprob=[[[-0.1]]] * 6
     )
     with pytest.raises(DataError, match="column 'trainer_logprob' holds lists of lists"):
-        io.plan_sources([lol])
+        ingest.plan_sources([lol])
     st = _write(
         tmp_path, "st.parquet", trainer_logprob=lp, inference_logprob=lq,
         advantage=[{"a": 1.0}] * 6,
     )  # fmt: skip
-    with pytest.warns(io.IngestWarning, match="column 'advantage' holds nested structs"):
-        plan = io.plan_sources([st])
+    with pytest.warns(ingest.IngestWarning, match="column 'advantage' holds nested structs"):
+        plan = ingest.plan_sources([st])
     assert "advantage" not in plan.source
-    assert io.read_table(plan).height == 6
+    assert ingest.read_table(plan).height == 6
     with pytest.raises(DataError, match="needs the column"):
         engine.sweep(plan, rules=["dppo-tv"])
     # --map'ed explicitly: an error, not left out
     with pytest.raises(DataError, match="holds nested structs"):
-        io.plan_sources([st], io.ReadOptions(mapping={"advantage": "advantage"}))
+        ingest.plan_sources([st], ingest.ReadOptions(mapping={"advantage": "advantage"}))
 
 
 def test_a_value_that_cannot_be_cast_names_the_column_and_an_example(tmp_path):
     lp, lq = _lp(4)
     good = _write(tmp_path, "g.parquet", trainer_logprob=lp, inference_logprob=lq)
-    plan = io.plan_sources([good])
+    plan = ingest.plan_sources([good])
     bad = pl.DataFrame({"trainer_logprob": ["-0.1", "x", "-0.2", "y"], "inference_logprob": lq})
     with pytest.raises(DataError) as e:
-        io._canonicalise(bad, plan, 0, 0)
+        canonical.canonicalise(bad, plan, 0, 0)
     assert "g.parquet: column 'trainer_logprob': 2 of 4 rows cannot be read as numbers" in str(
         e.value
     )
@@ -209,7 +212,7 @@ def test_convert_refuses_a_target_that_appears_while_it_runs(tmp_path):
             out.write_text("someone else's")
 
     with pytest.raises(UsageError, match="appeared while this command ran"):
-        conv.convert([GOLDEN], out, options=io.ReadOptions(batch_rows=5000), progress=appear)
+        conv.convert([GOLDEN], out, options=ingest.ReadOptions(batch_rows=5000), progress=appear)
     assert out.read_text() == "someone else's"
     assert _leftovers(tmp_path) == []
     # with force it is replaced
@@ -357,13 +360,13 @@ def test_figures_and_the_report_page_publish_through_the_helper(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mismatch_replay import plots, report
+    from mismatch_replay.viz import render, report
 
     fig = plt.figure()
     p = tmp_path / "f.png"
-    plots.save(fig, p, "png", force=False)
+    render.save(fig, p, "png", force=False)
     with pytest.raises(UsageError, match="appeared"):
-        plots.save(fig, p, "png", force=False)
+        render.save(fig, p, "png", force=False)
     plt.close(fig)
     report._atomic_text(tmp_path / "index.html", "<html></html>", force=False)
     with pytest.raises(UsageError, match="appeared"):
@@ -418,7 +421,7 @@ def test_m2po_spill_to_a_full_or_missing_tmpdir_is_one_sentence(tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device", path)
         return f
 
-    monkeypatch.setattr(engine, "open", full, raising=False)
+    monkeypatch.setattr(m2po_store, "open", full, raising=False)
     with pytest.raises(OutputError) as e:
         store.add(np.zeros(10, np.int64), np.ones(10), np.ones(10))
     msg = str(e.value)
@@ -426,7 +429,7 @@ def test_m2po_spill_to_a_full_or_missing_tmpdir_is_one_sentence(tmp_path, monkey
     assert "TMPDIR" in msg and engine.M2PO_MEMORY_ENV in msg
     monkeypatch.undo()
     (tmp_path / "notadir").write_text("x")
-    monkeypatch.setattr(engine.tempfile, "tempdir", str(tmp_path / "notadir"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "notadir"))
     with pytest.raises(ReplayError, match="m2po's store could not write to"):
         engine.M2POStore(limit_bytes=1).add(np.zeros(10, np.int64), np.ones(10), np.ones(10))
 
@@ -436,12 +439,13 @@ def test_m2po_spill_to_a_full_or_missing_tmpdir_is_one_sentence(tmp_path, monkey
 _SLOW_CONVERT = """
     import sys, time
     from pathlib import Path
-    from mismatch_replay import convert, io
+    from mismatch_replay import ingest
+    from mismatch_replay.ingest import convert
     out = Path(sys.argv[0]).parent / {out!r}
     def slow(done, total):
         print("tick", flush=True)
         time.sleep(0.3)
-    convert.convert([{src!r}], out, options=io.ReadOptions(batch_rows=1000), progress=slow,
+    convert.convert([{src!r}], out, options=ingest.ReadOptions(batch_rows=1000), progress=slow,
                     partition_by={part!r})
 """
 
@@ -479,11 +483,11 @@ def test_sigkill_during_convert_readers_skip_and_the_next_write_reclaims(tmp_pat
 
 _SPILLING_SWEEP = """
     import os, time
-    from mismatch_replay import engine, io
+    from mismatch_replay import engine, ingest
     def slow(done, total):
         print("tick", flush=True)
         time.sleep(0.3)
-    engine.sweep([{src!r}], rules=["m2po"], options=io.ReadOptions(batch_rows=1000),
+    engine.sweep([{src!r}], rules=["m2po"], options=ingest.ReadOptions(batch_rows=1000),
                  progress=slow)
 """
 
@@ -516,7 +520,7 @@ def test_sigkill_during_an_m2po_spill_is_reclaimed_by_the_next_run(tmp_path, mon
     proc.wait(20)
     (left,) = _spills(tmp)
     assert str(proc.pid) in left.name
-    monkeypatch.setattr(engine.tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     store = engine.M2POStore(limit_bytes=1)
     store.add(np.zeros(10, np.int64), np.ones(10), np.ones(10))  # spills: reclaims first
     assert _spills(tmp) == [Path(store._dir.name)]
@@ -531,9 +535,9 @@ def test_readers_skip_temporaries_of_files_and_directories(tmp_path):
     hive = output.temp_name(tmp_path / "hive") / "step=3"
     hive.mkdir(parents=True)
     (hive / "part-0.parquet").write_bytes(b"PAR1 truncated")
-    plan = io.plan_sources([tmp_path])
+    plan = ingest.plan_sources([tmp_path])
     assert [str(f) for f in plan.files] == [str(tmp_path / "real.parquet")]
-    plan = io.plan_sources([str(tmp_path / "**" / "*.parquet")])
+    plan = ingest.plan_sources([str(tmp_path / "**" / "*.parquet")])
     assert [str(f) for f in plan.files] == [str(tmp_path / "real.parquet")]
 
 
@@ -579,7 +583,7 @@ def test_an_unanswering_object_store_times_out_with_one_sentence(blackhole, sche
         pytest.skip(f"pyarrow without {scheme}")
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
-        io.plan_sources([_uri(scheme, blackhole)], io.ReadOptions(io_timeout=1.0))
+        ingest.plan_sources([_uri(scheme, blackhole)], ingest.ReadOptions(io_timeout=1.0))
     assert time.monotonic() - t0 < 4
     assert "no answer within 1 s (--io-timeout 1)" in str(e.value)
     assert str(e.value).startswith(f"{scheme}://bucket/log.parquet")
@@ -591,10 +595,10 @@ def test_ctrl_c_stops_a_hung_remote_read_within_two_seconds(tmp_path, blackhole,
     if not hasattr(pafs, "S3FileSystem" if scheme == "s3" else "GcsFileSystem"):
         pytest.skip(f"pyarrow without {scheme}")
     code = f"""
-        from mismatch_replay import io, output
+        from mismatch_replay import ingest, output
         print("go", flush=True)
         try:
-            io.plan_sources([{_uri(scheme, blackhole)!r}], io.ReadOptions(io_timeout=None))
+            ingest.plan_sources([{_uri(scheme, blackhole)!r}], ingest.ReadOptions(io_timeout=None))
         except KeyboardInterrupt:
             output.exit_process(130)
     """
@@ -611,15 +615,15 @@ def test_io_timeout_reaches_the_clients_and_the_paths():
     pafs = pytest.importorskip("pyarrow.fs")
     if not hasattr(pafs, "S3FileSystem"):
         pytest.skip("pyarrow without S3")
-    fs, key = io.filesystem_from_uri(
+    fs, key = ingest.filesystem_from_uri(
         "s3://b/k/x.parquet?endpoint_override=127.0.0.1:1&scheme=http", timeout=7
     )
     assert key == "b/k/x.parquet" and isinstance(fs, pafs.S3FileSystem)
-    p = io.RemotePath.make("s3", key, fs, 7)
+    p = ingest.RemotePath.make("s3", key, fs, 7)
     import pickle
 
     assert pickle.loads(pickle.dumps(p)).timeout == 7
-    assert io.ReadOptions().io_timeout == io.IO_TIMEOUT_S == 30.0
+    assert ingest.ReadOptions().io_timeout == ingest.IO_TIMEOUT_S == 30.0
 
 
 # ----------------------------------------------------------------------------- memory
@@ -657,8 +661,8 @@ def test_m2po_on_steps_larger_than_its_budget_gives_the_same_table(
     ref = engine.sweep([path], **kw).table
     monkeypatch.setenv(engine.M2PO_MEMORY_ENV, str(1024 * 300 / 2**20))  # chunk: 1024 tokens
     calls = []
-    real = engine._resolve_big
-    monkeypatch.setattr(engine, "_resolve_big", lambda *a: (calls.append(a[0].n), real(*a))[1])
+    real = m2po_store.resolve_big
+    monkeypatch.setattr(m2po_store, "resolve_big", lambda *a: (calls.append(a[0].n), real(*a))[1])
     got = engine.sweep([path], **kw).table
     assert calls and min(calls) > 1024
     assert_tables_equal(ref, got, keys=[c for c in ("rule", "value", by) if c], rel=1e-12)
@@ -670,10 +674,10 @@ def test_a_large_row_group_is_streamed_in_batches(tmp_path):
     pl.DataFrame({"trainer_logprob": lp, "inference_logprob": lq}).write_parquet(
         p, row_group_size=50_000
     )
-    plan = io.plan_sources([p], io.ReadOptions(batch_rows=4096))
-    sizes = [df.height for _, df in io.iter_batches(plan)]
+    plan = ingest.plan_sources([p], ingest.ReadOptions(batch_rows=4096))
+    sizes = [df.height for _, df in ingest.iter_batches(plan)]
     assert max(sizes) <= 4096 and sum(sizes) == 50_000
-    got = io.read_table(plan)
+    got = ingest.read_table(plan)
     np.testing.assert_array_equal(got["trainer_logprob"].to_numpy(), lp)
 
 
@@ -701,10 +705,10 @@ def test_duplicate_token_rows_are_counted_and_warned_about(tmp_path):
     keys = dup.filter("loss_mask").select("step", "sample_id", "position")
     want = keys.height - keys.unique().height  # numpy-free truth: rows repeating a key
     assert want > 0
-    with pytest.warns(io.IngestWarning, match=f"at least {want:,} rows repeat a"):
+    with pytest.warns(ingest.IngestWarning, match=f"at least {want:,} rows repeat a"):
         s = inspect_log([p])
     assert any("rows repeat a (step, sample_id, position)" in w for w in s.warnings)
-    with pytest.warns(io.IngestWarning, match=f"at least {want:,} rows repeat"):
+    with pytest.warns(ingest.IngestWarning, match=f"at least {want:,} rows repeat"):
         conv.convert([p], tmp_path / "o.parquet")
     clean = inspect_log([GOLDEN])
     assert not any("repeat" in w for w in clean.warnings)
@@ -714,8 +718,8 @@ def test_a_column_under_two_accepted_names_says_which_was_read(tmp_path):
     lp, lq = _lp(5)
     p = _write(tmp_path, "two.parquet", trainer_logprob=lp, trainer_logprobs=lp * 2,
                inference_logprob=lq)  # fmt: skip
-    with pytest.warns(io.IngestWarning) as w:
-        plan = io.plan_sources([p])
+    with pytest.warns(ingest.IngestWarning) as w:
+        plan = ingest.plan_sources([p])
     msg = " ".join(str(x.message) for x in w)
     assert "trainer_logprob under 2 accepted names ('trainer_logprob', 'trainer_logprobs')" in msg
     assert "read 'trainer_logprob'" in msg and "--map trainer_logprob=trainer_logprobs" in msg
@@ -725,9 +729,9 @@ def test_a_column_under_two_accepted_names_says_which_was_read(tmp_path):
 def test_both_logprob_columns_mapped_to_one_source_is_warned_about(tmp_path):
     lp, lq = _lp(5)
     p = _write(tmp_path, "m.parquet", a=lp, b=lq)
-    opts = io.ReadOptions(mapping={"trainer_logprob": "a", "inference_logprob": "a"})
-    with pytest.warns(io.IngestWarning, match="both read column 'a'"):
-        io.plan_sources([p], opts)
+    opts = ingest.ReadOptions(mapping={"trainer_logprob": "a", "inference_logprob": "a"})
+    with pytest.warns(ingest.IngestWarning, match="both read column 'a'"):
+        ingest.plan_sources([p], opts)
 
 
 def test_a_hive_directory_that_disagrees_with_the_step_column_is_warned_about(tmp_path):
@@ -735,8 +739,8 @@ def test_a_hive_directory_that_disagrees_with_the_step_column_is_warned_about(tm
     d = tmp_path / "step=3"
     d.mkdir()
     _write(d, "part.parquet", trainer_logprob=lp, inference_logprob=lq, step=[3] * 15 + [5] * 5)
-    with pytest.warns(io.IngestWarning) as w:
-        got = io.read_table([tmp_path])
+    with pytest.warns(ingest.IngestWarning) as w:
+        got = ingest.read_table([tmp_path])
     (msg,) = [str(x.message) for x in w if "disagrees" in str(x.message)]
     assert "the directory step=3 disagrees with the file's step column 'step' on 5 of 20" in msg
     assert "(e.g. step 5); used the column" in msg
@@ -747,11 +751,11 @@ def test_a_fifo_is_not_reported_as_missing(tmp_path):
     f = tmp_path / "log.parquet"
     os.mkfifo(f)
     with pytest.raises(DataError, match="that is a named pipe \\(FIFO\\), not a regular file"):
-        io.plan_sources([f])
+        ingest.plan_sources([f])
     with pytest.raises(DataError, match="no such file or directory"):
-        io.plan_sources([tmp_path / "missing.parquet"])
+        ingest.plan_sources([tmp_path / "missing.parquet"])
     with pytest.raises(DataError, match="name is too long"):
-        io.plan_sources([tmp_path / ("a" * 300 + ".parquet")])
+        ingest.plan_sources([tmp_path / ("a" * 300 + ".parquet")])
 
 
 def test_extreme_logprobs_print_no_numpy_warning(tmp_path):

@@ -9,8 +9,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from mismatch_replay import __version__, analysis, plots, report
+from mismatch_replay import __version__, analysis
 from mismatch_replay.errors import UsageError
+from mismatch_replay.viz import render, report
 
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
 COMMAND = "mismatch-replay report tests/data/golden_log.parquet -o out --rule 'ipo:eps=0.3' <&>"
@@ -45,7 +46,7 @@ def stub_render(data, outdir, fmt="png", target_fraction=None, force=False, dpi=
         "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
     )
     outdir = Path(outdir)
-    paths = {n: outdir / f"{n}.{fmt}" for n in plots.FIGURES}
+    paths = {n: outdir / f"{n}.{fmt}" for n in render.FIGURES}
     existing = [p for p in paths.values() if p.exists()]
     if existing and not force:
         raise UsageError(f"{existing[0]}: the file exists; pass --force to overwrite it.")
@@ -58,7 +59,7 @@ def stub_render(data, outdir, fmt="png", target_fraction=None, force=False, dpi=
 def test_report_files(written):
     index, _ = written
     assert index.name == "index.html"
-    for name in plots.FIGURES:
+    for name in render.FIGURES:
         assert (index.parent / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in index.parent.iterdir() if p.name.startswith(".")]
 
@@ -66,9 +67,9 @@ def test_report_files(written):
 def test_report_is_self_contained(written):
     index, page = written
     uris = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert len(uris) == 4
+    assert len(uris) == len(render.FIGURES) == 5
     # the embedded bytes are the PNGs written next to the page, in figure order
-    for name, uri in zip(plots.FIGURES, uris, strict=True):
+    for name, uri in zip(render.FIGURES, uris, strict=True):
         assert base64.b64decode(uri) == (index.parent / f"{name}.png").read_bytes()
     assert "<script" not in page.lower()
     assert not re.search(r'(src|href)="(https?:)?//', page)  # no external resources
@@ -139,7 +140,7 @@ def test_report_refuses_overwrite(written, data):
 
 
 def test_report_force_and_figures_guard(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(plots, "render_all", stub_render)
+    monkeypatch.setattr(render, "render_all", stub_render)
     first = report.write_report(data, tmp_path, command="one")
     assert "<pre>one</pre>" in first.read_text(encoding="utf-8")
     second = report.write_report(data, tmp_path, command="two", force=True)
@@ -162,10 +163,10 @@ def test_chosen_settings_list_what_choose_chose(data):
     page = report.render_html(data, {}, command="c", choices=rows, date="d")
     chosen = page[page.index("<h2>Chosen settings</h2>") : page.index("<h2>Plotted settings</h2>")]
     for r in rows:
-        assert html_escape(r["spec"]) in chosen
-        assert f"{r['param']}={report._num(r['value'])}" in chosen
-        for pt in r["curve"]:  # the masked-fraction-vs-threshold table around the choice
-            assert f'<td class="num">{report._num(pt["masked_tokens"])}</td>' in chosen
+        assert html_escape(r.spec) in chosen
+        assert f"{r.param}={report._num(r.value)}" in chosen
+        for pt in r.curve:  # the masked-fraction-vs-threshold table around the choice
+            assert f'<td class="num">{report._num(pt.masked_tokens)}</td>' in chosen
     assert chosen.count('<div class="curve">') == len(rows)
     assert chosen.count('style="font-weight:bold"') == len(rows)  # the chosen value, per rule
     # without choices the page is as before: the plotted settings under "Chosen settings"
@@ -177,3 +178,25 @@ def html_escape(s: str) -> str:
     import html
 
     return html.escape(s, quote=True)
+
+
+def test_report_embeds_masked_by_length_with_its_caption(written):
+    _, page = written
+    part = page[page.index("<h2>Masked fraction by sequence length</h2>") :]
+    part = part[: part.index("</figure>")]
+    assert 'alt="Masked fraction by sequence length" src="data:image/png;base64,' in part
+    caption = part[part.index("<figcaption>") :]
+    assert "product-ratio" in caption and "geometric-mean" in caption
+
+
+def test_report_without_sequence_ids_says_why_the_length_figure_is_missing(data):
+    import dataclasses
+
+    from mismatch_replay.analysis.figure_data import NO_LENGTH_NOTE
+
+    bare = dataclasses.replace(data, by_length=None, notes=[*data.notes, NO_LENGTH_NOTE])
+    assert "masked_by_length" not in render.figures(bare)
+    page = report.render_html(bare, {"steps": b"x"}, command="c", date="d")
+    part = page[page.index("<h2>Masked fraction by sequence length</h2>") :]
+    assert part.index("no sequence ids (sample_id)") < part.index("<h2>", 1)  # in its place
+    assert "--map sample_id=COLUMN" in page

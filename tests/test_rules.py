@@ -8,6 +8,7 @@ observable behaviour is its sweep-table row; tests/test_engine.py covers what th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import brute
@@ -18,9 +19,17 @@ from conftest import DYADIC_L, NICE_RATIOS, canonical_log, close, log_file, logs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, io
+from mismatch_replay import engine, ingest
 from mismatch_replay.errors import UsageError
-from mismatch_replay.rules import REGISTRY, TokenBatch, binary_kl, parse_grid, parse_rule
+from mismatch_replay.rules import (
+    REGISTRY,
+    SEQ_STATS,
+    SeqStats,
+    TokenBatch,
+    binary_kl,
+    parse_grid,
+    parse_rule,
+)
 
 # ----------------------------------------------------------------------------- catalogue
 
@@ -45,6 +54,56 @@ def test_rule_levels_match_rules_md():
     assert levels["m2po"] == "step"
     for name in (*brute.TOKEN_RULES, *brute.WEIGHT_TOKEN_RULES):
         assert levels[name] == "token", name
+
+
+def test_seq_stats_fields_follow_the_sequence_statistics_table():
+    fields = {f.name: f for f in dataclasses.fields(SeqStats)}
+    assert [n for n in fields if n != "has_adv"] == [s.name for s in SEQ_STATS]
+    tb = TokenBatch(np.array([-0.1, -2.0]), np.array([-0.3, -1.0]), np.array([1.0, -1.0]))
+    for s in SEQ_STATS:
+        assert (fields[s.name].default is None) == s.optional, s.name
+        assert s.fill == {"sum": 0.0, "max": -math.inf, "min": math.inf}[s.combine], s.name
+        v = s.per_token(tb)
+        assert (v is None) == (s.name == "n")
+        assert v is None or v.shape == (2,), s.name
+
+
+def test_the_table_aggregates_each_statistic_over_its_sequence():
+    """Each statistic of SEQ_STATS, accumulated over two partial batches and combined as
+    the table says, is the statistic of the whole sequence (checked against a plain loop)."""
+    rng = np.random.default_rng(7)
+    n, S = 400, 9
+    lp = -rng.exponential(1.0, n)
+    lq = np.minimum(lp + rng.normal(0, 0.7, n), 0.0)
+    adv = rng.normal(size=n)
+    seq = rng.integers(0, S, n)
+    combine = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+    acc = {s.name: np.full(S, s.fill) for s in SEQ_STATS}
+    for part in (slice(0, 150), slice(150, n)):
+        tb = TokenBatch(lp[part], lq[part], adv[part])
+        for s in SEQ_STATS:
+            v = s.per_token(tb)
+            w = np.ones(len(tb)) if v is None else v
+            got = np.full(S, s.fill)
+            combine[s.combine].at(got, seq[part], w)
+            acc[s.name] = combine[s.combine](acc[s.name], got)
+    stats = SeqStats(**acc)
+
+    def near(a, b):  # float sums in another order
+        return close(a, b, abs_=1e-12)
+
+    tb = TokenBatch(lp, lq, adv)
+    for i in range(S):
+        m = seq == i
+        assert stats.n[i] == m.sum()
+        assert near(stats.sum_l[i], tb.l[m].sum())
+        assert near(stats.sum_k3[i], tb.k3[m].sum())
+        assert stats.max_k2[i] == tb.k2[m].max()
+        assert stats.min_l[i] == tb.l[m].min()
+        assert near(stats.sum_exp_abs_l[i], np.exp(np.abs(tb.l[m])).sum())
+        assert near(stats.sum_adv[i], adv[m].sum())
+        assert near(stats.sum_lc[i], np.clip(tb.l[m], -20, 20).sum())
+        assert near(stats.sum_k3c[i], tb.k3_verl[m].sum())
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -531,7 +590,7 @@ def _run_family(data, df: pl.DataFrame, names, ties: bool) -> None:
     batch_rows = data.draw(st.sampled_from([2, 7, 1_000_000]), label="batch_rows")
     with log_file(df) as path:
         res = engine.sweep(
-            [path], rules=rules, sweeps=sweeps, options=io.ReadOptions(batch_rows=batch_rows)
+            [path], rules=rules, sweeps=sweeps, options=ingest.ReadOptions(batch_rows=batch_rows)
         )
     t = res.table
     assert t.height == sum(np.unique(g).shape[0] for g in sweeps.values())

@@ -69,7 +69,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import __version__
-from ..io import COMMIT_MARKER
+from ..ingest import COMMIT_MARKER
 from . import inputs
 from .inputs import SAMPLE_ID_STRIDE, Prepared
 

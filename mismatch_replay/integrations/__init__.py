@@ -2,13 +2,15 @@
 
 Design
 ------
-Four small modules, none of which computes anything the core does not: they translate.
+Small modules, none of which computes anything the core does not: they translate.
 
 * `config_in`  the trainer's config file(s) -> the catalogue rules it selects
   (`read_config("rl.toml").specs() == ["ipo:eps=0.2"]`);
 * `config_out` a `choose` result -> the override that sets it, in the framework's syntax
-  (`emit("verl", rows, base=cfg)`); `frameworks` holds the key mappings of both, one class
-  per framework, each checked against that framework's config code (commit in `CHECKED`);
+  (`emit("verl", choices, base=cfg)`); `frameworks` holds the key mappings of both, one
+  class (and module) per framework, each checked against that framework's config code
+  (commit in its `checked`); `settings` the types both sides share (`Settings`,
+  `TrainerConfig`, `ConfigRule`);
 * `wandb_log`  a report's figures, sweep table, page and per-step series -> a W&B run (the
   training run resumed by id, or a new one), and back: `read_offline_run` reads an offline
   run directory without a server;
@@ -28,8 +30,8 @@ from __future__ import annotations
 from importlib import import_module
 
 _EXPORTS = {
-    "ConfigRule": "config_in",
-    "TrainerConfig": "config_in",
+    "ConfigRule": "settings",
+    "TrainerConfig": "settings",
     "read_config": "config_in",
     "read_text": "config_in",
     "emit": "config_out",

@@ -18,7 +18,7 @@ therefore two steps, and only the second knows a framework:
    Several files merge in order, the later winning, with Hydra's semantics for a key set to
    null or deleted (its children go too), so `--from-config base.yaml --from-config
    overrides.txt` reads what the trainer would.
-2. *Dotted keys to rules* (`frameworks.py`): each framework maps its keys to the rule SPECs
+2. *Dotted keys to rules* (`frameworks`): each framework maps its keys to the rule SPECs
    of the catalogue, with the defaults its code uses for a key the file leaves out, and names
    every key it does not know in its sections (a typo like `rollout_rs_treshold` would
    otherwise silently fall back to the default and replay the wrong rule).
@@ -38,98 +38,13 @@ import re
 import shlex
 import tomllib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class ConfigRule:
-    """One rule read from a config: the catalogue rule, and where it came from."""
-
-    rule: Any  # a rules.Rule instance
-    keys: dict[str, str]  # rule parameter -> the framework key it was read from
-    origin: str  # the setting as the framework writes it, e.g. "rollout_rs=token_k1"
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def spec(self) -> str:
-        return self.rule.spec()
-
-    def to_dict(self) -> dict:
-        return {"spec": self.spec, "origin": self.origin, "keys": self.keys, "notes": self.notes}
-
-
-@dataclass
-class TrainerConfig:
-    """The rules a trainer config selects, with the keys as read (after merging files)."""
-
-    framework: str
-    files: list[str]
-    rules: list[ConfigRule]
-    values: dict[str, Any]  # the framework's own keys (dotted) that the files set
-    notes: list[str] = field(default_factory=list)
-
-    def specs(self) -> list[str]:
-        return [r.spec for r in self.rules]
-
-    def all_notes(self) -> list[str]:
-        """The config's notes and each rule's, in order (what a CLI prints on stderr)."""
-        return [*self.notes, *(n for r in self.rules for n in r.notes)]
-
-    def to_dict(self) -> dict:
-        return {
-            "framework": self.framework,
-            "files": self.files,
-            "rules": [r.to_dict() for r in self.rules],
-            "values": self.values,
-            "notes": self.notes,
-        }
-
-
-# ----------------------------------------------------------------------------- settings
-
-
-class Settings(dict):
-    """Flat dotted keys -> values, remembering which file set each key (for messages)."""
-
-    def __init__(self):
-        super().__init__()
-        self.where: dict[str, str] = {}
-
-    def assign(self, key: str, value: Any, origin: str) -> None:
-        """Hydra-like: setting a key drops its children (and a null parent above it)."""
-        for k in [k for k in self if k.startswith(key + ".")]:
-            self.pop(k)
-            self.where.pop(k, None)
-        parts = key.split(".")
-        for i in range(1, len(parts)):
-            parent = ".".join(parts[:i])
-            if parent in self and not isinstance(self[parent], dict):
-                self.pop(parent)
-                self.where.pop(parent, None)
-        self[key] = value
-        self.where[key] = origin
-
-    def delete(self, key: str) -> None:
-        for k in [k for k in self if k == key or k.startswith(key + ".")]:
-            self.pop(k)
-            self.where.pop(k, None)
-
-    def under(self, prefix: str) -> dict[str, Any]:
-        """The keys below `prefix.` with the prefix removed."""
-        n = len(prefix) + 1
-        return {k[n:]: v for k, v in self.items() if k.startswith(prefix + ".")}
-
-    def has(self, prefix: str) -> bool:
-        return prefix in self or any(k.startswith(prefix + ".") for k in self)
-
-    def origin(self, key: str) -> str:
-        return self.where.get(key) or next(iter(self.where.values()), "the config")
+from .frameworks import FRAMEWORKS, get_framework
+from .settings import ConfigRule, Settings, TrainerConfig
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -175,7 +90,8 @@ class Loaded:
     tokens: list[str] | None = None
 
 
-def _yaml():
+def yaml_module():
+    """PyYAML, or a usage error that says how to install it."""
     try:
         import yaml
     except ImportError:  # pragma: no cover - PyYAML ships with most trainers
@@ -194,7 +110,7 @@ def parse_tree(text: str, syntax: str, name: str) -> dict:
         elif syntax == "json":
             tree = json.loads(text)
         else:
-            yaml = _yaml()
+            yaml = yaml_module()
             try:
                 tree = yaml.safe_load(text)
             except yaml.YAMLError as exc:
@@ -379,8 +295,6 @@ def keys_of(loaded: Loaded) -> set[str]:
 
 
 def detect(loaded: Sequence[Loaded]) -> str:
-    from .frameworks import FRAMEWORKS
-
     keys: set[str] = set()
     for ld in loaded:
         keys |= keys_of(ld)
@@ -421,8 +335,6 @@ def settings_of(loaded: Sequence[Loaded], fw) -> Settings:
 def read_loaded(
     loaded: Sequence[Loaded], framework: str | None = None, require: bool = False
 ) -> TrainerConfig:
-    from .frameworks import get_framework
-
     if not loaded:
         raise UsageError("--from-config: give at least one config file.")
     name = get_framework(framework).name if framework else detect(loaded)

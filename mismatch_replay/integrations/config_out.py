@@ -2,7 +2,7 @@
 
 Design
 ------
-`emit(framework, choices, base)` turns `analysis.choose` rows (or rule SPECs) into text in
+`emit(framework, choices, base)` turns `analysis.choose`'s choices (or rule SPECs) into text in
 the framework's own syntax:
 
 * `toml`  a `[trainer.loss]` table (prime-rl);
@@ -32,8 +32,9 @@ from typing import Any
 
 from ..errors import UsageError
 from ..rules import Rule, parse_rule
-from .config_in import TrainerConfig, unflatten
-from .frameworks import Framework, _g, get_framework
+from .config_in import TrainerConfig, unflatten, yaml_module
+from .frameworks import Framework, get_framework
+from .frameworks.base import float_text
 
 SYNTAXES = ("toml", "yaml", "hydra", "cli")
 _PLAIN = re.compile(r"^[A-Za-z_][\w\-]*$")
@@ -68,7 +69,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return _g(v)
+        return float_text(v)
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return json.dumps(str(v))
@@ -82,7 +83,7 @@ def _hydra_value(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return _g(v)
+        return float_text(v)
     if isinstance(v, list | tuple):
         return "[" + ",".join(_hydra_value(x) for x in v) + "]"
     s = str(v)
@@ -103,7 +104,7 @@ def _cli_value(v: Any) -> str:
     if isinstance(v, bool):
         return "True" if v else "False"
     if isinstance(v, float):
-        return _g(v)
+        return float_text(v)
     if isinstance(v, int):
         return str(v)
     return _shell(str(v))
@@ -126,10 +127,8 @@ def format_pairs(pairs: Sequence[tuple[str, Any]], syntax: str, fw: Framework) -
             lines.append(f"{leaf} = {_toml_value(value)}")
         return "\n".join(lines)
     if syntax == "yaml":
-        from .config_in import _yaml
-
         tree = unflatten(pairs)
-        return _yaml().safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()
+        return yaml_module().safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()
     if syntax == "hydra":
         return " \\\n".join(_shell(f"{k}={_hydra_value(v)}") for k, v in pairs)
     if syntax == "cli":
@@ -153,11 +152,14 @@ def format_pairs(pairs: Sequence[tuple[str, Any]], syntax: str, fw: Framework) -
 # ----------------------------------------------------------------------------- emit
 
 
-def _as_rule(choice: dict | str | Rule) -> tuple[Rule, dict]:
+def _as_rule(choice) -> tuple[Rule, dict]:
+    """A SPEC, a Rule, an `analysis.Choice` or its dict -> (the rule, the choice's fields)."""
     if isinstance(choice, Rule):
         return choice, {}
     if isinstance(choice, str):
         return parse_rule(choice), {}
+    if hasattr(choice, "to_dict"):  # an analysis.Choice
+        choice = choice.to_dict()
     if isinstance(choice, dict) and "spec" in choice:
         return parse_rule(choice["spec"]), choice
     raise UsageError(f"emit: {choice!r} is neither a rule SPEC nor a choose result row.")
@@ -187,7 +189,7 @@ def _header(rule: Rule, row: dict) -> list[str]:
         return [f"# mismatch-replay: {rule.spec()}"]
     what = "truncates" if row.get("kind") == "weight" else "masks"
     frac = row.get("masked_fraction")
-    line = f"# mismatch-replay choose: {rule.name} {row.get('param')}={_g(row['value'])}"
+    line = f"# mismatch-replay choose: {rule.name} {row.get('param')}={float_text(row['value'])}"
     if frac is not None:
         line += f" {what} {100 * frac:.3g}% of {row.get('tokens', 0):,} loss tokens"
     if row.get("target_fraction") is not None:
@@ -207,14 +209,14 @@ def _header(rule: Rule, row: dict) -> list[str]:
 
 def emit(
     framework: str,
-    choices: Sequence[dict | str | Rule],
+    choices: Sequence,
     base: TrainerConfig | None = None,
     syntax: str | None = None,
 ) -> str:
     """The override(s) that set each chosen threshold, in the framework's own syntax.
 
     `framework`: a name of `frameworks.FRAMEWORKS`, optionally `NAME:SYNTAX` (`verl:yaml`).
-    `choices`: rows of `analysis.choose` (their `spec`), rule SPECs or Rules; one block per
+    `choices`: `analysis.choose`'s choices (or their dicts), rule SPECs or Rules; one block per
     choice, separated by a blank line. `base`: the config the rules came from
     (`read_config`); its other rules are kept in each block. `syntax`: toml, yaml, hydra or
     cli (default: the framework's usual one).

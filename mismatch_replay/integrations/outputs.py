@@ -5,7 +5,7 @@ Design
 The W&B and TensorBoard loggers never draw and never read tokens: they take a
 `ReportOutputs`, the figures (PNG paths), the HTML page, the sweep table, the choose rows
 and the per-step series of a report, and forward them. `collect(outdir, data, decisions)`
-builds one from what `pipeline.report` already computed (its `analysis.FigureData` and
+builds one from what `viz.jobs.report` already computed (its `analysis.FigureData` and
 `analysis.decisions`); given only the report directory it picks up the page and the figures,
 and with `sources` it recomputes the figure data (three passes over the log) when the report's
 own data is not at hand.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import polars as pl
 
-FIGURE_NAMES = ("scatter", "masked_fraction", "steps", "where_masked")
+FIGURE_NAMES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
 INDEX = "index.html"
 
 
@@ -38,7 +38,7 @@ class ReportOutputs:
     figures: dict[str, Path] = field(default_factory=dict)  # name -> PNG
     sweep: pl.DataFrame | None = None  # the long sweep table (rule, param, value, ...)
     steps: pl.DataFrame | None = None  # per-step series: step + one column per series
-    choose: list[dict] = field(default_factory=list)  # analysis.choose rows
+    choose: list[dict] = field(default_factory=list)  # analysis.choose rows, as dicts
     metrics: dict = field(default_factory=dict)  # overall mismatch metrics
     sources: list[str] = field(default_factory=list)
     command: str | None = None
@@ -71,7 +71,7 @@ def step_series(data) -> pl.DataFrame:
 def collect(
     outdir: str | Path | None = None,
     data=None,
-    decisions: dict | None = None,
+    decisions=None,
     *,
     sources: Sequence[str | Path] | None = None,
     settings: Sequence[str] | None = None,
@@ -80,7 +80,7 @@ def collect(
     progress: Callable[[int, int], None] | None = None,
 ) -> ReportOutputs:
     """A ReportOutputs from a report directory (`index.html`, `<figure>.png`) and, when at
-    hand, the report's FigureData (`data`) and decisions (`analysis.decisions`). Without
+    hand, the report's FigureData (`data`) and `analysis.Decisions` (`decisions`). Without
     `data`, `sources` recomputes it (`analysis.figure_data`: three passes over the log)."""
     out = ReportOutputs(command=command)
     if outdir is not None:
@@ -97,8 +97,8 @@ def collect(
         out.steps = step_series(data)
         out.metrics = {k: v for k, v in data.metrics.items() if _finite(v)}
         out.sources = list(data.sources)
-    if decisions:
-        out.choose = list(decisions.get("choose") or [])
+    if decisions is not None:
+        out.choose = [c.to_dict() for c in decisions.choose]
     return out
 
 

@@ -7,7 +7,7 @@ Design
 * every per-step series as a scalar at its trainer step (`mismatch_replay/kl_k3`,
   `mismatch_replay/masked_fraction/ipo_eps_0.3`, ...), so a user who points TensorBoard at
   the training run's log directory sees the replay beside the training curves;
-* the four figures as images (their PNG bytes as written, not decoded and re-encoded) at the
+* the figures as images (their PNG bytes as written, not decoded and re-encoded) at the
   last replayed step;
 * text: the chosen thresholds (a Markdown table of the choose rows), the command, the page.
 

@@ -1,0 +1,360 @@
+"""`choose`: per rule, the threshold that masks a target fraction of tokens, with an interval.
+
+Design
+------
+`choose` finds, per rule and threshold parameter, the value whose masked fraction is
+closest to a target, in two passes as a rule: the default grids bracket the answer (or a
+replay that holds them already: the report's full sweep, `tally=`), then ONE pass
+(`search.one_pass`) both refines every bracket with 2 x REFINE_POINTS = 128 new grid points
+and accumulates a streaming Poisson bootstrap over sequences (or steps) on BOOT_COLUMNS = 25
+points spanning the bracket widened by BOOT_WIDEN = 2 default grid points each side. A
+bracket those points leave open gets further passes (`search.refine`) until the fraction is
+within `tol` (relative) of the target or the bracket shrinks to a tie in the data: the
+answers are exact on a grid refined until within 1%. Sequence rules refine from the sequence
+sums with no pass; m2po (it ranks whole steps) refines in passes of its own, unresampled.
+
+The interval is the 2.5% and 97.5% quantiles, over replicates, of the value where the
+replicate's masked fraction crosses the target (`_crossings`: interpolated between the two
+columns around it, geometrically on a positive grid): how much the answer would move on
+another log of the same run. Without a target, `choose` gives the masked fraction at each
+given setting, with the interval of that fraction (one replay with `bootstrap=`).
+
+The answer is a `ChooseResult`: a sequence of `Choice` (one per rule and parameter), each
+optionally with its `curve` (exact fractions at the grid values around the choice, the
+report's table); `to_dict()` is the JSON `choose --json` prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from .. import engine, ingest
+from ..engine import readout
+from ..errors import DataError, UsageError
+from ..rules import REGISTRY, Rule, parse_rule
+from .search import REFINE_POINTS, Search, choice_jobs, grid_between, job_key, one_pass, refine
+
+BOOT_COLUMNS = 25  # grid points a replicate is read at (the interval's resolution)
+BOOT_WIDEN = 2  # default grid points the bootstrap's range extends the bracket by, each side
+CURVE_POINTS = 11  # the report's table: masked fraction at grid values around the choice
+
+
+@dataclass
+class CurvePoint:
+    """The exact masked fraction at one value near the choice."""
+
+    value: float
+    masked_tokens: int
+    masked_fraction: float
+    chosen: bool
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Choice:
+    """choose's answer for one rule and threshold parameter (or one setting, no target)."""
+
+    rule: str
+    setting: str  # the rule's other parameters, as in the sweep table
+    param: str
+    value: float
+    masked_fraction: float
+    target_fraction: float | None
+    ci_low: float | None  # 95% bootstrap interval (of the value; of the fraction without target)
+    ci_high: float | None
+    kind: str  # "mask" or "weight"
+    status: str  # ok | ties | out of range | not converged
+    note: str
+    tokens: int
+    masked_tokens: int
+    passes: int  # passes over the log the answer took
+    spec: str  # the rule at the chosen value
+    curve: list[CurvePoint] | None = None  # with curve=True
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "curve"}
+        if self.curve is not None:
+            d["curve"] = [p.to_dict() for p in self.curve]
+        return d
+
+
+@dataclass
+class ChooseResult(Sequence):
+    """The choices, in rule order (a sequence of `Choice`), and the target they aim at."""
+
+    target_fraction: float | None
+    rows: list[Choice]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __iter__(self) -> Iterator[Choice]:
+        return iter(self.rows)
+
+    def to_dict(self) -> dict:
+        return {"target_fraction": self.target_fraction, "rows": [r.to_dict() for r in self.rows]}
+
+
+def _default_choice_rules(columns: Sequence[str]) -> list[Rule]:
+    return [
+        cls()
+        for cls in REGISTRY.values()
+        if all(c in columns for c in cls.needs) and cls.kind == "mask"
+    ]
+
+
+def _boot_grid(s: Search, c: tuple) -> np.ndarray:
+    """The bootstrap columns of a search: BOOT_COLUMNS points over its coarse bracket
+    widened by BOOT_WIDEN default grid points each side, and the coarse best value."""
+    base = s.job.values
+    a, b = c[3] if c[3] is not None else (c[0], c[0])
+    ia = int(np.searchsorted(base, min(a, b)))
+    ib = int(np.searchsorted(base, max(a, b)))
+    lo, hi = base[max(ia - BOOT_WIDEN, 0)], base[min(ib + BOOT_WIDEN, base.size - 1)]
+    return np.unique(np.r_[grid_between(lo, hi, BOOT_COLUMNS), c[0]])
+
+
+def choose(
+    sources: Sequence[str | Path],
+    target_fraction: float | None = None,
+    rules: Sequence[str | Rule] | None = None,
+    bootstrap: int = 200,
+    unit: str | None = None,
+    seed: int = 0,
+    tol: float = 0.01,
+    max_passes: int = 8,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
+    tally: engine.Tally | None = None,
+    curve: bool = False,
+) -> ChooseResult:
+    """For each rule (and each of its threshold parameters), the value whose masked fraction
+    is closest to `target_fraction`, with a bootstrap interval. Without a target: the masked
+    fraction at each given setting, with its interval. `precision="float32"`: the rules
+    decide in the frameworks' float32 arithmetic (engine.replay).
+
+    Two passes in all, as a rule: the default grids (or `tally`, a replay that already holds
+    these rules' default-grid jobs, e.g. the report's full sweep: then one pass), then one
+    pass that both refines every bracket and accumulates the bootstrap (`search.one_pass`).
+    A bracket those points cannot settle within `tol` gets further refinement passes (m2po
+    always does: its steps are ranked whole). `curve=True` adds to each choice its `curve`:
+    the exact masked fraction at the default grid values around the chosen one (`_curve`,
+    the report's table).
+    """
+    plan = ingest.plan_sources(sources, options)
+    if target_fraction is not None and not 0.0 < target_fraction < 1.0:
+        raise UsageError(f"--target-fraction {target_fraction}: give a fraction in (0, 1).")
+    if rules:
+        chosen = [parse_rule(r) if isinstance(r, str) else r for r in rules]
+    elif target_fraction is not None:
+        chosen = _default_choice_rules(plan.columns)
+    else:
+        raise UsageError("give --target-fraction F, or --rule SPEC to get a setting's fraction.")
+    precision = precision if precision is not None else engine.current_precision()
+    if precision is not None:
+        p = engine.check_precision(precision)
+        chosen = [r.replace(precision=p) for r in chosen]
+    unit = unit or ("sequence" if "sample_id" in plan.columns else "step")
+    if unit not in ("sequence", "step"):
+        raise UsageError(f"--bootstrap-unit {unit}: use 'sequence' or 'step'.")
+    if bootstrap and unit == "sequence" and "sample_id" not in plan.columns:
+        raise DataError(
+            f"{plan.files[0]}: a bootstrap over sequences needs a sample_id column; "
+            "use --bootstrap-unit step, or map one with --map sample_id=COLUMN."
+        )
+    jobs = choice_jobs(chosen, target_fraction is not None)
+    rows: list[Choice] = []
+    if target_fraction is None:
+        boot = (bootstrap, unit, seed) if bootstrap else None
+        tally = engine.replay(plan, jobs=jobs, bootstrap=boot, progress=progress, final=True)
+        for ji, job in enumerate(jobs):
+            values, hits, tokens = readout.job_counts(tally, ji)
+            frac = hits[0] / tokens
+            lo, hi, note = _ci_fraction(tally, ji)
+            rows.append(_choice(job, values[0], frac, None, lo, hi, "ok", note, tokens, 1))
+        return ChooseResult(None, rows)
+    target = target_fraction
+    # 1. the default grids
+    if tally is None:
+        tally = engine.replay(plan, jobs=jobs, progress=progress, final=True)
+        index = list(range(len(jobs)))
+    else:  # the caller's replay: find each job in it
+        keys = {job_key(j): i for i, j in enumerate(tally.jobs)}
+        missing = [j.label for j in jobs if job_key(j) not in keys]
+        if missing:
+            raise ValueError(f"choose(tally=...): the replay lacks the job(s) {missing}")
+        index = [keys[job_key(j)] for j in jobs]
+    searches = []
+    for job, ji in zip(jobs, index, strict=True):
+        values, hits, tokens = readout.job_counts(tally, ji)
+        searches.append(Search(job, values.copy(), hits.copy(), tokens))
+    coarse = [s.state(target, tol) for s in searches]
+    # 2. one pass: refinement points in every open bracket, and the bootstrap columns
+    fine_of = [i for i, c in enumerate(coarse) if c[2] == "refine"]
+    fine = [
+        engine.Job(s.job.rule, s.job.param, grid_between(*coarse[i][3], 2 * REFINE_POINTS))
+        for i in fine_of
+        for s in [searches[i]]
+    ]
+    inpass = [
+        i
+        for i, (s, c) in enumerate(zip(searches, coarse, strict=True))
+        if bootstrap and s.job.rule.level != "step" and not c[2].startswith("out of range")
+    ]
+    bjobs = [
+        engine.Job(s.job.rule, s.job.param, _boot_grid(s, coarse[i]))
+        for i in inpass
+        for s in [searches[i]]
+    ]
+    bp = None
+    if fine or bjobs:
+        bp = one_pass(plan, fine, bjobs, bootstrap, unit, seed, tally, progress)
+        for i, job, hits in zip(fine_of, fine, bp.hits, strict=True):
+            searches[i].add(job.values, hits)
+        read = any(j.rule.level != "sequence" for j in [*fine, *bjobs])
+        for s in searches:
+            s.passes += read
+    # 3. what is still open (m2po; a bracket those points could not settle)
+    refine(plan, searches, target, tol, max_passes - 2, tally, progress)
+    where = {i: k for k, i in enumerate(inpass)}
+    for i, s in enumerate(searches):
+        best, frac, status, _ = s.state(target, tol)
+        if status == "refine":
+            status = f"not converged: not within {tol:.0%} after {s.passes} passes"
+        status, _, note = status.partition(": ")
+        lo = hi = None
+        if bootstrap and status != "out of range":
+            k = where.get(i)
+            if k is None or bp is None or bp.reps[k] is None:
+                boot_note = _no_boot_note(s.job)
+            else:
+                lo, hi, boot_note = _ci_from(bjobs[k], bp.reps[k], bp.tokens[k], target)
+            note = "; ".join(x for x in (note, boot_note) if x)
+        row = _choice(s.job, best, frac, target, lo, hi, status, note, s.tokens, s.passes)
+        if curve:
+            row.curve = _curve(s, best)
+        rows.append(row)
+    return ChooseResult(target, rows)
+
+
+def _no_boot_note(job: engine.Job) -> str:
+    if job.rule.level == "step":
+        return "m2po is batch-adaptive per step: no bootstrap"
+    return "no bootstrap"
+
+
+def _crossings(job: engine.Job, f: np.ndarray, target: float) -> np.ndarray:
+    """Per replicate (rows of f, (B, K) masked fractions at job.values), the value where the
+    fraction crosses `target`: between the two grid values around it, interpolated
+    (geometrically on a positive grid), so that the interval is not limited to the grid's
+    resolution; the grid's end where it does not cross."""
+    v = job.values[job.order]  # threshold ascending: the fraction does not increase
+    ft = f[:, job.order]
+    k = (ft > target).sum(axis=1)  # grid points still above the target
+    inner = (k > 0) & (k < v.size)
+    out = np.where(k == 0, v[0], v[-1]).astype(float)
+    r = np.flatnonzero(inner)
+    a, b = k[r] - 1, k[r]
+    fa, fb = ft[r, a], ft[r, b]
+    w = np.where(fa > fb, (fa - target) / np.where(fa > fb, fa - fb, 1.0), 1.0)
+    va, vb = v[a], v[b]
+    geo = (va > 0) & (vb > 0)
+    lin = va + w * (vb - va)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log = np.exp(np.log(np.where(geo, va, 1.0)) * (1 - w) + np.log(np.where(geo, vb, 1.0)) * w)
+    out[r] = np.where(geo, log, lin)
+    return out
+
+
+def _ci_from(job, reps, tokens, target, level: float = 0.95):
+    """Interval of the value where the replicate masked fraction crosses the target."""
+    ok = tokens > 0
+    if ok.sum() < 2:
+        return None, None, "too few units to resample"
+    f = reps[ok] / tokens[ok, None]
+    lo, hi = _interval(_crossings(job, f, target), level)
+    note = ""
+    if lo <= job.values[0] or hi >= job.values[-1]:
+        note = "bootstrap interval reaches the searched range's edge"
+    return lo, hi, note
+
+
+def _curve(s: Search, best: float, n: int = CURVE_POINTS) -> list[CurvePoint]:
+    """Exact masked fractions around the chosen value, in masking order: the chosen value,
+    the default grid's two values on each side, and between the chosen value and its two
+    grid neighbours the evaluated (refinement) values nearest the quarter points, so that
+    the table shows how the fraction moves near the choice even where the grid is coarse.
+    At most `n` points."""
+    rule, param = s.job.rule, s.job.param
+    known = dict(zip(s.values.tolist(), s.hits.tolist(), strict=True))
+
+    def t(v):
+        return rule.threshold(param, v)
+
+    grid = sorted((v for v in s.job.values.tolist() if v in known), key=t)
+    tg = np.array([t(v) for v in grid])
+    k = int(np.searchsorted(tg, t(best)))
+    pick = {best, *grid[max(0, k - 2) : k + 2]}
+    ev = np.array(sorted(known, key=t))
+    te = np.array([t(v) for v in ev])
+    for nb in (grid[k - 1] if k > 0 else None, grid[k] if k < len(grid) else None):
+        if nb is None or nb == best:
+            continue
+        for w in (0.25, 0.5, 0.75):
+            goal = t(best) + w * (t(nb) - t(best))
+            pick.add(ev[int(np.argmin(np.abs(te - goal)))].item())
+    pts = sorted(pick, key=t)
+    c = pts.index(best)
+    lo = max(0, min(c - n // 2, len(pts) - n))
+    return [
+        CurvePoint(float(v), int(known[v]), known[v] / s.tokens, bool(v == best))
+        for v in pts[lo : lo + n]
+    ]
+
+
+def _choice(job, value, frac, target, lo, hi, status, note, tokens, passes) -> Choice:
+    rule = job.rule
+    return Choice(
+        rule=rule.name,
+        setting=rule.setting(job.param),
+        param=job.param,
+        value=float(value),
+        masked_fraction=float(frac),
+        target_fraction=target,
+        ci_low=lo,
+        ci_high=hi,
+        kind=rule.kind,
+        status=status,
+        note=note,
+        tokens=tokens,
+        masked_tokens=round(frac * tokens),
+        passes=passes,
+        spec=rule.replace(**{job.param: float(value)}).spec(),
+    )
+
+
+def _interval(x: np.ndarray, level: float) -> tuple[float, float]:
+    q = (1 - level) / 2
+    return float(np.quantile(x, q)), float(np.quantile(x, 1 - q))
+
+
+def _ci_fraction(tally, ji, level: float = 0.95):
+    """Interval of the masked fraction at a single setting (over replicates with tokens)."""
+    res = readout.boot_counts(tally, ji)
+    if res is None:
+        return None, None, _no_boot_note(tally.jobs[ji])
+    counts, tokens = res
+    ok = tokens > 0
+    if ok.sum() < 2:
+        return None, None, "too few units to resample"
+    return (*_interval((counts[ok] / tokens[ok, None])[:, 0], level), "")

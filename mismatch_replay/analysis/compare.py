@@ -1,0 +1,384 @@
+"""`compare`: two rules side by side on the same tokens.
+
+Design
+------
+`compare` answers "which tokens does each rule mask that the other keeps?": the 2 x 2 table
+of masked by both / only A / only B / neither (a `Cell` each: tokens, fraction, mean
+inference and trainer probabilities, |p - q| mass), where they disagree (`BucketRow`s over
+the engine's inference-probability buckets), the Jaccard overlap of the masked sets and,
+with `examples=K`, per side the K disputed tokens with the largest |log p - log q|.
+
+It is one numpy pass over the log (`compare_pass`, several pairs at once: the report's two),
+scoring each rule with its own `score()` on each batch; a sequence rule first needs which
+sequences it masks (one more replay, shared by the pairs, read from its sequence
+statistics). `budget` first sets both rules' primary parameters to mask the same fraction
+(iso-budget comparison: both searched in one pass on their default grids made DENSE = 16
+times finer, then refined like `choose`, rarely a second pass), or takes settings already
+found (`budget_settings`, e.g. choose's, as the report does). m2po (it ranks whole steps)
+and weight rules (they mask nothing) are refused.
+
+The answer is a `CompareResult`; `to_dict()` is the JSON `compare --json` prints. The
+disputed tokens are plain records (`dict`: masked_by, q, p, abs_dp, log_ratio and the
+step / sample_id / position the log has), as drift's spike tokens are.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from .. import engine, ingest
+from ..engine import readout
+from ..errors import DataError, UsageError
+from ..rules import Rule, TokenBatch, parse_grid, parse_rule
+from .search import Search, grid_between, refine
+
+CELLS = ("both", "only_a", "only_b", "neither")
+DENSE = 16  # points a budget search puts between two default grid points (one pass)
+
+
+def _plain(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+@dataclass
+class BudgetSetting:
+    """A rule's primary parameter set to mask the budget."""
+
+    param: str
+    value: float
+    masked_fraction: float
+    status: str
+
+    def to_dict(self) -> dict:
+        return _plain(self)
+
+
+@dataclass
+class Cell:
+    """One cell of the 2 x 2 table."""
+
+    tokens: int
+    fraction: float
+    mean_q: float | None  # None: no token in the cell
+    mean_p: float | None
+    mass: float  # sum of |p - q|
+
+    def to_dict(self) -> dict:
+        return _plain(self)
+
+
+@dataclass
+class BucketRow:
+    """The cells' tokens in one inference-probability bucket."""
+
+    q_bucket: str
+    q_low: float
+    tokens: int
+    both: int
+    only_a: int
+    only_b: int
+    neither: int
+
+    def to_dict(self) -> dict:
+        return _plain(self)
+
+
+@dataclass
+class CompareResult:
+    rule_a: str  # the SPECs as set (at the budget, the found values)
+    rule_b: str
+    budget: float | None
+    settings: dict[str, BudgetSetting]  # "a", "b" with a budget; else empty
+    tokens: int
+    cells: dict[str, Cell]  # CELLS -> Cell
+    masked_a: int
+    masked_b: int
+    jaccard: float | None
+    where: list[BucketRow]  # the buckets that hold tokens
+    examples: list[dict] = field(default_factory=list)  # the disputed tokens, side a then b
+
+    @property
+    def both(self) -> int:
+        return self.cells["both"].tokens
+
+    @property
+    def only_a(self) -> int:
+        return self.cells["only_a"].tokens
+
+    @property
+    def only_b(self) -> int:
+        return self.cells["only_b"].tokens
+
+    @property
+    def neither(self) -> int:
+        return self.cells["neither"].tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "rule_a": self.rule_a,
+            "rule_b": self.rule_b,
+            "budget": self.budget,
+            "settings": {k: s.to_dict() for k, s in self.settings.items()},
+            "tokens": self.tokens,
+            **{c: self.cells[c].tokens for c in CELLS},
+            "cells": {c: v.to_dict() for c, v in self.cells.items()},
+            "masked_a": self.masked_a,
+            "masked_b": self.masked_b,
+            "jaccard": self.jaccard,
+            "where": [w.to_dict() for w in self.where],
+            "examples": self.examples,
+        }
+
+
+@dataclass
+class Pair:
+    """Two rules checked and set for `compare_pass` (`compare_setup`'s answer)."""
+
+    a: Rule
+    b: Rule
+    settings: dict[str, BudgetSetting]
+    budget: float | None
+
+
+def _token_mask(rule: Rule, tb: TokenBatch) -> np.ndarray:
+    job = engine.single_job(rule)
+    thr = job.thresholds[0]
+    s = rule.score(tb, job.param)
+    return s >= thr if rule.inclusive else s > thr
+
+
+def _dense(values: np.ndarray, m: int = DENSE) -> np.ndarray:
+    pieces = [values] + [grid_between(a, b, m + 2)[1:-1] for a, b in itertools.pairwise(values)]
+    return np.unique(np.concatenate(pieces))
+
+
+def _budget_rules(
+    plan, rules: Sequence[Rule], budget: float, progress
+) -> list[tuple[Rule, BudgetSetting]]:
+    """Each rule set to mask `budget` of the tokens (its primary parameter), all rules in one
+    pass on the default grids made DENSE times finer, then refined like `choose` (rarely a
+    second pass)."""
+    jobs = []
+    for rule in rules:
+        param = rule.primary_param()
+        jobs.append(engine.Job(rule, param, _dense(parse_grid(rule.param(param).grid))))
+    tally = engine.replay(plan, jobs=jobs, progress=progress, final=True)
+    searches = []
+    for ji, job in enumerate(jobs):
+        values, hits, tokens = readout.job_counts(tally, ji)
+        searches.append(Search(job, values.copy(), hits.copy(), tokens))
+    refine(plan, searches, budget, 0.01, 7, tally, progress)
+    out = []
+    for s in searches:
+        best, frac, status, _ = s.state(budget, 0.01)
+        if status == "refine":
+            status = "not within 1% after 8 passes"
+        res = BudgetSetting(s.job.param, float(best), float(frac), status)
+        out.append((s.job.rule.replace(**{s.job.param: res.value}), res))
+    return out
+
+
+def compare(
+    sources: Sequence[str | Path],
+    rule_a: str | Rule,
+    rule_b: str | Rule,
+    budget: float | None = None,
+    examples: int = 0,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
+    budget_settings: tuple | None = None,
+) -> CompareResult:
+    """The 2 x 2 table of two rules on the same tokens (see the module docstring).
+    `precision="float32"`: both rules decide in the frameworks' float32 arithmetic.
+    `budget_settings`: with `budget`, the two settings already found for it (two `Choice`
+    or `BudgetSetting`: param, value, masked_fraction, status), so no pass searches them
+    again."""
+    plan = ingest.plan_sources(sources, options)
+    pair = compare_setup(plan, rule_a, rule_b, budget, precision, budget_settings, progress)
+    return compare_pass(plan, [pair], examples, progress)[0]
+
+
+def compare_setup(plan, rule_a, rule_b, budget, precision, budget_settings, progress) -> Pair:
+    """compare's rules checked and set (at the budget: searched, or `budget_settings`)."""
+    a = parse_rule(rule_a) if isinstance(rule_a, str) else rule_a
+    b = parse_rule(rule_b) if isinstance(rule_b, str) else rule_b
+    precision = precision if precision is not None else engine.current_precision()
+    if precision is not None:
+        p = engine.check_precision(precision)
+        a, b = a.replace(precision=p), b.replace(precision=p)
+    settings: dict[str, BudgetSetting] = {}
+    for r in (a, b):
+        if r.level == "step":
+            raise UsageError(
+                f"compare: '{r.name}' is batch-adaptive per step; compare token or sequence "
+                "rules (sweep --by step shows m2po per step)."
+            )
+        if r.kind == "weight":
+            raise UsageError(f"compare: '{r.name}' truncates weights and masks no token.")
+        lacking = [c for c in r.needs if c not in plan.columns]
+        if lacking:
+            raise DataError(
+                f"{plan.files[0]}: rule '{r.name}' needs the column(s) {', '.join(lacking)} "
+                f"(found: {', '.join(plan.columns)}). Map one with --map."
+            )
+    if budget is not None:
+        if not 0.0 < budget < 1.0:
+            raise UsageError(f"--budget {budget}: give a fraction in (0, 1).")
+        if budget_settings is not None:
+            for key, s in zip("ab", budget_settings, strict=True):
+                settings[key] = BudgetSetting(s.param, s.value, s.masked_fraction, s.status)
+            a = a.replace(**{settings["a"].param: settings["a"].value})
+            b = b.replace(**{settings["b"].param: settings["b"].value})
+        else:
+            (a, settings["a"]), (b, settings["b"]) = _budget_rules(plan, [a, b], budget, progress)
+    return Pair(a, b, settings, budget)
+
+
+@dataclass
+class _Acc:
+    """One pair's sums over the pass."""
+
+    acc: dict[str, np.ndarray]  # count, q, p, mass: per cell
+    bucket: np.ndarray  # (4, buckets) tokens
+    top: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # side -> columns
+
+
+def compare_pass(plan, pairs: list[Pair], examples: int, progress) -> list[CompareResult]:
+    """The token pass of `compare` for several pairs at once (the report's two): per pair,
+    its result. Sequence rules first need which sequences they mask (one more pass,
+    shared)."""
+    seq_rules = [r for pr in pairs for r in (pr.a, pr.b) if r.level == "sequence"]
+    pre = None
+    seq_masked: dict[int, np.ndarray] = {}
+    if seq_rules:
+        pre = engine.replay(
+            plan, jobs=[engine.single_job(r) for r in seq_rules], progress=progress, final=True
+        )
+        st = pre.seq_stats()
+        for k, r in enumerate(seq_rules):
+            job = pre.jobs[k]
+            sc = r.score(st, job.param)
+            thr = job.thresholds[0]
+            seq_masked[id(r)] = sc >= thr if r.inclusive else sc > thr
+    cols = ["trainer_logprob", "inference_logprob", "step"]
+    cols += [c for c in ("sample_id", "position", "advantage") if c in plan.columns]
+    if pre is not None and "sample_id" not in cols:
+        cols.append("sample_id")
+    keys = engine.Tally([], None, has_seq=pre is not None)
+    if pre is not None:
+        keys.seq_keys = dict(pre.seq_keys)
+    edges = np.asarray(engine.Q_BUCKET_EDGES)
+    nb = edges.size
+    sums = [
+        _Acc({c: np.zeros(4) for c in ("count", "q", "p", "mass")}, np.zeros((4, nb)))
+        for _ in pairs
+    ]
+    report = ingest.ReadReport()
+    total = sum(plan.rows)
+    for _, df in ingest.iter_batches(plan, cols, report):
+        if not df.height:
+            continue
+        adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
+        tb = TokenBatch(df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy(), adv)
+        gid = keys.seq_codes(df)[0] if pre is not None else None
+        qb = np.searchsorted(edges, tb.q, side="right") - 1
+        masks: dict[str, np.ndarray] = {}  # the same setting in two pairs: scored once
+
+        def mask(r, gid=gid, tb=tb, masks=masks):
+            key = r.spec() + r.precision
+            if key not in masks:
+                masks[key] = seq_masked[id(r)][gid] if r.level == "sequence" else _token_mask(r, tb)
+            return masks[key]
+
+        for pr, s in zip(pairs, sums, strict=True):
+            acc, top = s.acc, s.top
+            ma, mb = mask(pr.a), mask(pr.b)
+            cell = np.where(ma & mb, 0, np.where(ma, 1, np.where(mb, 2, 3)))
+            for name, w in (("count", None), ("q", tb.q), ("p", tb.p), ("mass", tb.abs_dp)):
+                acc[name] += np.bincount(cell, weights=w, minlength=4)
+            s.bucket += np.bincount(cell * nb + qb, minlength=4 * nb).reshape(4, nb)
+            for side, code in (("a", 1), ("b", 2)):
+                dis = np.flatnonzero(cell == code) if examples else np.zeros(0, np.int64)
+                if dis.size:
+                    new = {
+                        "masked_by": np.full(dis.size, side),
+                        "q": tb.q[dis],
+                        "p": tb.p[dis],
+                        "abs_dp": tb.abs_dp[dis],
+                        "log_ratio": tb.l[dis],
+                    } | {
+                        c: df[c].to_numpy()[dis]
+                        for c in ("step", "sample_id", "position")
+                        if c in df.columns
+                    }
+                    if side in top:
+                        new = {c: np.concatenate([top[side][c], new[c]]) for c in new}
+                    keep = np.argsort(-np.abs(new["log_ratio"]), kind="stable")[:examples]
+                    top[side] = {c: v[keep] for c, v in new.items()}
+        if progress is not None:
+            progress(report.rows, total)
+    return [_compare_result(plan, pr, s, edges) for pr, s in zip(pairs, sums, strict=True)]
+
+
+def _compare_result(plan, pr: Pair, s: _Acc, edges: np.ndarray) -> CompareResult:
+    acc, bucket, top = s.acc, s.bucket, s.top
+    nb = edges.size
+    n = acc["count"]
+    tokens = int(n.sum())
+    if tokens == 0:
+        raise DataError(f"{plan.files[0]}: no loss tokens to compare.")
+    cells = {}
+    for i, c in enumerate(CELLS):
+        cnt = int(n[i])
+        cells[c] = Cell(
+            tokens=cnt,
+            fraction=cnt / tokens,
+            mean_q=acc["q"][i] / cnt if cnt else None,
+            mean_p=acc["p"][i] / cnt if cnt else None,
+            mass=float(acc["mass"][i]),
+        )
+    union = n[0] + n[1] + n[2]
+    labels = [_bucket_label(i) for i in range(nb)]
+    where = [
+        BucketRow(
+            labels[j],
+            float(edges[j]),
+            int(bucket[:, j].sum()),
+            *(int(bucket[i, j]) for i in range(len(CELLS))),
+        )
+        for j in range(nb)
+        if bucket[:, j].sum() > 0
+    ]
+    return CompareResult(
+        rule_a=pr.a.spec(),
+        rule_b=pr.b.spec(),
+        budget=pr.budget,
+        settings=pr.settings,
+        tokens=tokens,
+        cells=cells,
+        masked_a=int(n[0] + n[1]),
+        masked_b=int(n[0] + n[2]),
+        jaccard=float(n[0] / union) if union else None,
+        where=where,
+        # per side, the disputed tokens the engines disagree on most (largest |log p - log q|)
+        examples=[
+            {c: (v[i].item() if hasattr(v[i], "item") else v[i]) for c, v in t.items()}
+            for side in ("a", "b")
+            if side in top
+            for t in [top[side]]
+            for i in range(t["q"].size)
+        ],
+    )
+
+
+def _bucket_label(j: int) -> str:
+    edges = engine.Q_BUCKET_EDGES
+    hi = edges[j + 1] if j + 1 < len(edges) else 1.0
+    close = "]" if j + 1 == len(edges) else ")"
+    return f"[{edges[j]:g}, {hi:g}{close}"

@@ -1,0 +1,224 @@
+"""The report's Decision section: choose, compare and drift on one log, sharing passes.
+
+Design
+------
+`decisions` answers the three questions users bring (which eps masks the target fraction,
+which tokens IPO and IcePop mask at their defaults and at an equal budget, did the run
+drift) by calling `choose`, `compare` (twice) and `drift`. `report_data` answers the same
+and builds the figure data in 6 replays (7 reads) of the log: the full sweep also holds
+choose's default grids (choose then needs one pass: refinement and bootstrap together); the
+per-step pass is robust and gives drift; the per-bucket pass; one numpy pass for both
+compare pairs, the budget pair at the settings choose found; the by-length replay of
+masked_by_length.png (a pre-pass counting each sequence's loss tokens, then the replay, on
+the few columns of `figure_data.LENGTH_SETTINGS`; neither where the log has no sample_id).
+No pass above can carry the by-length jobs: a replay has one grouping, and a length bucket
+needs every sequence's length before its first token is counted. Both return a
+`Decisions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from .. import engine, ingest
+from ..errors import DataError
+from ..rules import Rule, parse_rule
+from .choose import Choice, ChooseResult, choose
+from .compare import CompareResult, compare, compare_pass, compare_setup
+from .drift import DriftResult, drift, drift_from, drift_rules
+from .figure_data import NO_LENGTH_NOTE, FigureData, default_settings, length_table
+from .search import choice_jobs, job_key
+
+DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
+BUDGET_PAIR = ("ipo", "icepop@prime-rl")
+
+
+@dataclass
+class Decisions:
+    """The Decision section's answers (drift None, with a note, on a single-step log)."""
+
+    target_fraction: float
+    choose: ChooseResult
+    compare: CompareResult  # IPO and IcePop at their prime-rl defaults
+    compare_budget: CompareResult  # both at the target fraction
+    drift: DriftResult | None
+    drift_note: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {
+            "target_fraction": self.target_fraction,
+            "choose": [c.to_dict() for c in self.choose],
+            "compare": self.compare.to_dict(),
+            "compare_budget": self.compare_budget.to_dict(),
+            "drift": None if self.drift is None else self.drift.to_dict(),
+        }
+        if self.drift_note is not None:
+            d["drift_note"] = self.drift_note
+        return d
+
+
+def decisions(
+    sources: Sequence[str | Path],
+    target_fraction: float = 0.0025,
+    bootstrap: int = 200,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Decisions:
+    """The three questions of the report's Decision section, on one log: which eps masks the
+    target fraction (choose), which tokens IPO and IcePop mask at their defaults and at an
+    equal budget (compare, at the settings choose found), and whether the run drifted
+    (drift; needs several steps). `report_data` answers the same sharing the report's
+    passes."""
+    plan = ingest.plan_sources(sources, options)
+    rules = [r for r in DECISION_RULES if all(c in plan.columns for c in parse_rule(r).needs)]
+    chosen = choose(
+        plan.files,
+        target_fraction,
+        rules,
+        bootstrap=bootstrap,
+        options=options,
+        progress=progress,
+    )
+    at_defaults = compare(
+        plan.files,
+        "ipo@prime-rl",
+        "icepop@prime-rl",
+        examples=5,
+        options=options,
+        progress=progress,
+    )
+    at_budget = compare(
+        plan.files,
+        *BUDGET_PAIR,
+        budget=target_fraction,
+        examples=5,
+        options=options,
+        progress=progress,
+        budget_settings=_budget_pair(chosen, BUDGET_PAIR),
+    )
+    note = None
+    try:
+        drifted = drift(plan.files, options=options, progress=progress)
+    except DataError as exc:  # a single-step log: no drift to speak of
+        drifted, note = None, str(exc)
+    return Decisions(target_fraction, chosen, at_defaults, at_budget, drifted, note)
+
+
+def _budget_pair(rows: Sequence[Choice], names: Sequence[str]) -> tuple[Choice, Choice] | None:
+    """choose's rows for the two rules' primary parameters (compare --budget's settings)."""
+    out = []
+    for spec in names:
+        rule = parse_rule(spec)
+        param = rule.primary_param()
+        hit = [
+            r
+            for r in rows
+            if r.rule == rule.name and r.param == param and r.setting == rule.setting(param)
+        ]
+        if not hit or hit[0].status == "out of range":
+            return None
+        out.append(hit[0])
+    return out[0], out[1]
+
+
+def report_data(
+    sources: Sequence[str | Path],
+    settings: Sequence[str | Rule] | None = None,
+    target_fraction: float = 0.0025,
+    bootstrap: int = 200,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
+) -> tuple[FigureData, Decisions]:
+    """`figure_data` and `decisions` together, sharing their passes: the full sweep also
+    holds choose's default grids (choose then needs one pass: refinement and bootstrap);
+    the per-step pass is robust and gives drift; compare --budget takes choose's settings.
+    Passes: sweep, choose, per step, per bucket, compare (both pairs, numpy), by length
+    (pre-pass + replay; none without sample_id) = 7 reads of the log."""
+    plan = ingest.plan_sources(sources, options)
+    chosen = (
+        [parse_rule(s) if isinstance(s, str) else s for s in settings]
+        if settings
+        else default_settings(plan.columns)
+    )
+    names = [r for r in DECISION_RULES if all(c in plan.columns for c in parse_rule(r).needs)]
+    with engine.use_precision(precision):
+        p = engine.current_precision()
+        sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
+        cjobs = choice_jobs([parse_rule(r) for r in names], True)
+        if p is not None:
+            sweep_jobs = engine.with_precision(sweep_jobs, p)
+            cjobs = engine.with_precision(cjobs, p)
+        have = {job_key(j) for j in sweep_jobs}
+        extra = [j for j in cjobs if job_key(j) not in have]
+        full = engine.replay(plan, jobs=sweep_jobs + extra, progress=progress, final=True)
+        full.notes = [*notes, *full.notes]
+        res = full.result()
+        table = res.table
+        if extra:  # the table is in job order: choose's own jobs are its last rows
+            table = table.head(table.height - sum(len(j.values) for j in extra))
+        choices = choose(
+            plan.files,
+            target_fraction,
+            names,
+            bootstrap=bootstrap,
+            options=options,
+            progress=progress,
+            tally=full,
+            curve=True,
+        )
+        watched = drift_rules(plan.columns)
+        specs = {r.spec() for r in chosen}
+        step_rules = chosen + [r for r in watched if r.spec() not in specs]
+        by_step = engine.replay(
+            plan, rules=step_rules, by="step", robust=True, progress=progress, final=True
+        )
+        steps = by_step.result().table
+        if len(step_rules) > len(chosen):
+            steps = steps.filter(pl.col("spec").is_in(list(specs)))
+        by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
+        pairs = [
+            compare_setup(plan, "ipo@prime-rl", BUDGET_PAIR[1], None, None, None, progress),
+            compare_setup(
+                plan,
+                *BUDGET_PAIR,
+                target_fraction,
+                None,
+                _budget_pair(choices, BUDGET_PAIR),
+                progress,
+            ),
+        ]
+        at_defaults, at_budget = compare_pass(plan, pairs, 5, progress)
+        by_length = length_table(plan, progress)
+    drift_specs = {r.spec() for r in watched}
+    which = [ji for ji, j in enumerate(by_step.jobs) if j.rule.spec() in drift_specs]
+    n_steps = len(by_step.groups)
+    drifted = note = None
+    if n_steps < 2:
+        note = (
+            f"{plan.files[0]}: drift needs several steps; the log has {n_steps} "
+            "(map a step column with --map step=COLUMN)."
+        )
+    else:
+        drifted = drift_from(plan, by_step, which, 3.0, None, 3)
+    data = FigureData(
+        hist_lin=full.hist_lin,
+        hist_log=full.hist_log,
+        edges_lin=engine.scatter_edges(log=False),
+        edges_log10=engine.scatter_edges(log=True),
+        sweep=table,
+        settings=chosen,
+        steps=steps,
+        step_metrics=by_step.metrics.table("step", by_step.groups),
+        buckets=by_bucket.result().table,
+        metrics=res.metrics.to_dicts()[0],
+        tokens=full.report.loss_rows,
+        sources=[str(x) for x in plan.files],
+        notes=list(full.notes) + ([NO_LENGTH_NOTE] if by_length is None else []),
+        by_length=by_length,
+    )
+    return data, Decisions(target_fraction, choices, at_defaults, at_budget, drifted, note)

@@ -1,0 +1,136 @@
+"""The data behind the figures: three views of a log, no raw tokens kept.
+
+Design
+------
+`figure_data` makes four replays of the log: every rule swept over its default grid
+(with the scatter histograms: 200 x 200 token counts on probability and on log10-probability
+axes), the chosen settings per step, the chosen settings per inference-probability
+bucket, and `LENGTH_SETTINGS` per sequence-length bucket (`length_table`: only where the
+log has sequence ids; that replay reads the log twice, its pre-pass counting each
+sequence's loss tokens). The settings default to `DEFAULT_SETTINGS` (the two IPO defaults,
+the two IcePop bands, KPop, DPPO-TV) minus those the log cannot support. `FigureData` is
+what viz draws and what the report's tables read; `decisions.report_data` builds the same
+record sharing its passes with the Decision section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from .. import engine, ingest
+from ..rules import Rule, parse_rule
+
+# The settings drawn by default: the two IPO defaults, the two IcePop bands, KPop, DPPO-TV.
+DEFAULT_SETTINGS = (
+    "ipo@prime-rl",
+    "ipo@prime-rl-legacy",
+    "icepop@prime-rl",
+    "icepop@verl",
+    "kpop@prime-rl",
+    "dppo-tv@prime-rl",
+)
+# The settings of masked_by_length.png (`--by length`): two product-ratio sequence masks
+# (verl's [0.5, 2], TRL's cap 3: trl#4772), a geometric-mean one (SkyRL's [0.99, 1.01]) and
+# a token rule for reference. A product exp(S_i) drifts with a sequence's length, a mean
+# exp(G_i) does not: the figure tells them apart.
+LENGTH_SETTINGS = ("seq-mis@verl", "seq-mis@trl", "geo-mis@skyrl", "icepop@verl")
+NO_LENGTH_NOTE = (
+    "masked_by_length: not drawn, the log has no sequence ids (sample_id) to bucket "
+    "sequences by length; map one with --map sample_id=COLUMN."
+)
+
+
+@dataclass
+class FigureData:
+    """Everything the figures draw, computed from a log (no raw tokens kept)."""
+
+    hist_lin: np.ndarray  # (200, 200) token counts, [q bin, p bin], probability axes
+    hist_log: np.ndarray  # (200, 200) token counts, [log10 q bin, log10 p bin]
+    edges_lin: np.ndarray  # (201,) probability bin edges
+    edges_log10: np.ndarray  # (201,) log10-probability bin edges
+    sweep: pl.DataFrame  # every supported rule over its default grid (ungrouped)
+    settings: list[Rule]  # the chosen settings (IPO eps, IcePop band, ...)
+    steps: pl.DataFrame  # the chosen settings' sweep table by step
+    step_metrics: pl.DataFrame  # mismatch metrics by step
+    buckets: pl.DataFrame  # the chosen settings' sweep table by q_bucket
+    metrics: dict  # overall mismatch metrics
+    tokens: int
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # LENGTH_SETTINGS' sweep table by length bucket (None: the log has no sample_id)
+    by_length: pl.DataFrame | None = None
+
+
+def default_settings(columns: Sequence[str]) -> list[Rule]:
+    """DEFAULT_SETTINGS minus the rules the log cannot support."""
+    rules = [parse_rule(s) for s in DEFAULT_SETTINGS]
+    return [r for r in rules if all(c in columns for c in r.needs)]
+
+
+def length_rules(columns: Sequence[str]) -> list[Rule]:
+    """LENGTH_SETTINGS, or none where the log has no sequence ids (no length to bucket)."""
+    if "sample_id" not in columns:
+        return []
+    rules = [parse_rule(s) for s in LENGTH_SETTINGS]
+    return [r for r in rules if all(c in columns for c in r.needs)]
+
+
+def length_table(
+    plan: ingest.Plan, progress: Callable[[int, int], None] | None = None
+) -> pl.DataFrame | None:
+    """LENGTH_SETTINGS by sequence-length bucket (`engine.replay(by="length")`: a pre-pass
+    that counts each sequence's loss tokens, then the replay, both on the few columns these
+    rules read); None where the log has no sample_id."""
+    rules = length_rules(plan.columns)
+    if not rules:
+        return None
+    tally = engine.replay(plan, rules=rules, by="length", progress=progress, final=True)
+    return tally.result().table
+
+
+def figure_data(
+    sources: Sequence[str | Path],
+    settings: Sequence[str | Rule] | None = None,
+    sweeps: dict[str, str] | None = None,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
+) -> FigureData:
+    """Four replays of the log: full sweep + scatter, settings by step, settings by bucket,
+    `LENGTH_SETTINGS` by sequence length (`length_table`; none without sample_id, a note).
+    `precision="float32"`: every rule decision in the frameworks' float32 arithmetic
+    (engine.replay; the full sweep then runs on the simple path)."""
+    plan = ingest.plan_sources(sources, options)
+    chosen = (
+        [parse_rule(s) if isinstance(s, str) else s for s in settings]
+        if settings
+        else default_settings(plan.columns)
+    )
+    with engine.use_precision(precision):
+        full = engine.replay(plan, rules=None, sweeps=sweeps, progress=progress, final=True)
+        res = full.result()
+        by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
+        by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
+        by_length = length_table(plan, progress)
+    notes = list(full.notes) + ([NO_LENGTH_NOTE] if by_length is None else [])
+    return FigureData(
+        hist_lin=full.hist_lin,
+        hist_log=full.hist_log,
+        edges_lin=engine.scatter_edges(log=False),
+        edges_log10=engine.scatter_edges(log=True),
+        sweep=res.table,
+        settings=chosen,
+        steps=by_step.result().table,
+        step_metrics=by_step.metrics.table("step", by_step.groups),
+        buckets=by_bucket.result().table,
+        metrics=res.metrics.to_dicts()[0],
+        tokens=full.report.loss_rows,
+        sources=[str(p) for p in plan.files],
+        notes=notes,
+        by_length=by_length,
+    )

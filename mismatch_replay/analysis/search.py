@@ -1,0 +1,305 @@
+"""The threshold search that `choose` and `compare --budget` share, and its passes.
+
+Design
+------
+A `Search` holds one job (a rule, one threshold parameter, a grid) and the exact masked
+tokens at every value evaluated so far; `Search.state` reads it against a target fraction:
+within `tol` ("ok"), out of the grid's range, a tie in the data (the fraction jumps at one
+value), or a bracket still to refine. Values are ordered by the rule's threshold, so the
+masked fraction never increases along them.
+
+`one_pass` is one streaming pass over the log, on the fused path, for two sets of jobs:
+refinement grids (exact counts, an ungrouped Tally) and bootstrap columns (a Tally grouped
+by unit, fed sub-batches of SUB_BATCH = 2^18 tokens, ~512 units, so that its accumulators
+stay small; each sub-batch's per-unit counts are multiplied by the units' Poisson weights,
+the weights `engine.replay(bootstrap=)` draws, and added). Sequence rules of either set
+are scored from the first replay's per-sequence statistics, with no pass (`seq_hits`);
+m2po (it ranks whole steps) is refined, never resampled. `refine` runs such passes, with
+REFINE_POINTS = 64 new points per open bracket, until none is open.
+
+`_Units` numbers bootstrap units as the engine does (sequences by first appearance of
+their (step, sample_id), or steps), so the replicates equal the engine's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from .. import engine, ingest
+from ..engine import readout
+from ..rules import Rule, parse_grid
+
+REFINE_POINTS = 64
+
+
+def grid_between(a: float, b: float, n: int) -> np.ndarray:
+    """n points from a to b: geometric on a positive range, else linear."""
+    lo, hi = min(a, b), max(a, b)
+    if lo > 0 and hi / lo > 1.0 + 1e-9:
+        return np.geomspace(lo, hi, n)
+    return np.linspace(lo, hi, n)
+
+
+def choice_jobs(rules: Sequence[Rule], target: bool) -> list[engine.Job]:
+    """choose's jobs: with a target, one per threshold parameter on its default grid (the
+    other thresholds at their values); without, each rule at its one setting."""
+    jobs = []
+    for rule in rules:
+        if target:
+            for p in rule.params:
+                if p.threshold:
+                    others = [q.name for q in rule.params if q.threshold and q.name != p.name]
+                    rule.require(*others)
+                    jobs.append(engine.Job(rule, p.name, parse_grid(p.grid)))
+        else:
+            jobs.append(engine.single_job(rule))
+    return jobs
+
+
+@dataclass
+class Search:
+    """One threshold search: a job on a grid and the exact masked tokens at every value
+    evaluated so far (the default grid's, then each refinement's)."""
+
+    job: engine.Job
+    values: np.ndarray  # every value evaluated so far, ascending
+    hits: np.ndarray  # masked tokens at each
+    tokens: int
+    passes: int = 1
+
+    def add(self, values, hits) -> None:
+        v = np.concatenate([self.values, values])
+        h = np.concatenate([self.hits, hits])
+        order = np.argsort(v, kind="stable")
+        v, h = v[order], h[order]
+        keep = np.r_[True, v[1:] != v[:-1]]
+        self.values, self.hits = v[keep], h[keep]
+
+    def state(self, target: float, tol: float):
+        """(best value, its fraction, status, bracket or None)."""
+        f = self.hits / self.tokens
+        thr = np.array([self.job.rule.threshold(self.job.param, v) for v in self.values])
+        order = np.argsort(thr, kind="stable")  # threshold ascending: f non-increasing
+        ft, vt = f[order], self.values[order]
+        best = int(np.argmin(np.abs(ft - target)))
+        if abs(ft[best] - target) <= tol * target:
+            return vt[best], ft[best], "ok", None
+        above = np.flatnonzero(ft >= target)
+        if above.size == 0:
+            msg = f"out of range: at most {ft.max():.3g} masked on the default grid"
+            return vt[best], ft[best], msg, None
+        if above[-1] == ft.size - 1:
+            msg = (
+                f"out of range: at least {ft.min():.3g} masked on the default grid (the "
+                "fixed parameters alone may mask more)"
+            )
+            return vt[best], ft[best], msg, None
+        k = int(above[-1])
+        a, b = vt[k], vt[k + 1]
+        if abs(b - a) <= 1e-12 * max(abs(a), abs(b), 1e-300):
+            msg = f"ties: the fraction jumps from {ft[k]:.3g} to {ft[k + 1]:.3g} at one value"
+            return vt[best], ft[best], msg, None
+        return vt[best], ft[best], "refine", (a, b)
+
+
+# The grouped pass's cost is units x (its jobs' grid points): fast.Program.expand turns
+# each sub-batch's per-interval sums into per-job bins in time ~ units x slots x intervals of
+# a coordinate, 6 s on 20M tokens at 49 columns for choose's 19 token jobs (2.5 s at 25).
+SUB_BATCH = 1 << 18  # tokens a grouped sub-batch holds: ~512 units of 512 tokens
+
+
+def suffix_values(job: engine.Job, a: np.ndarray) -> np.ndarray:
+    """Per-bin counts (..., K + 2) in threshold order -> masked at each value (..., K), values
+    ascending (bin j holds the tokens that pass exactly j thresholds)."""
+    rev = np.cumsum(a[..., ::-1], axis=-1)[..., ::-1]
+    inv = np.empty(len(job.values), dtype=np.int64)
+    inv[job.order] = np.arange(len(job.values))
+    return rev[..., inv + 1]
+
+
+def seq_hits(st, job: engine.Job, weights: np.ndarray | None = None) -> np.ndarray:
+    """A sequence rule's masked tokens at each value of `job`, from per-sequence statistics
+    (the same bins as the engine's); `weights` (B, sequences): per replicate, (B, K)."""
+    from ..fast import bin_scores
+
+    b = bin_scores(
+        np.asarray(job.rule.score(st, job.param), float),
+        job.thresholds[job.order],
+        job.rule.inclusive,
+    )
+    width = len(job.values) + 2
+    if weights is None:
+        return suffix_values(job, np.bincount(b, weights=st.n, minlength=width))
+    w = weights * st.n[None, :]
+    return suffix_values(job, np.stack([np.bincount(b, weights=wb, minlength=width) for wb in w]))
+
+
+class _Units:
+    """Bootstrap units of a stream: per batch, the distinct unit ids and each token's index
+    into them. Sequences are numbered by first appearance of their (step, sample_id), as
+    the engine numbers them, so the Poisson weights (engine.poisson_weights, a function of
+    the id) are the ones a bootstrap replay would draw."""
+
+    def __init__(self, unit: str):
+        self.unit = unit
+        self.keys: dict = {}
+
+    def codes(self, df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        if self.unit == "step":
+            uniq, local = np.unique(df["step"].to_numpy(), return_inverse=True)
+            return uniq.astype(np.int64), local.reshape(-1)
+        new = (
+            (pl.col("step") != pl.col("step").shift(1))
+            | (pl.col("sample_id") != pl.col("sample_id").shift(1))
+        ).fill_null(True)
+        flags = df.select(new.alias("r"))["r"].to_numpy()
+        starts = np.flatnonzero(flags)
+        keys = zip(
+            df["step"].gather(starts).to_list(),
+            df["sample_id"].gather(starts).to_list(),
+            strict=True,
+        )
+        gid = np.empty(starts.shape[0], dtype=np.int64)
+        for i, key in enumerate(keys):
+            g = self.keys.get(key)
+            if g is None:
+                g = self.keys[key] = len(self.keys)
+            gid[i] = g
+        run = np.cumsum(flags) - 1
+        uniq, inv = np.unique(gid, return_inverse=True)
+        return uniq, inv.reshape(-1)[run]
+
+
+@dataclass
+class Pass:
+    """One pass's results: exact masked tokens at every value of the refinement jobs, and
+    per replicate the masked tokens at every value of the bootstrap jobs."""
+
+    hits: list[np.ndarray | None]  # per refinement job, at each of its values
+    reps: list[np.ndarray | None]  # per bootstrap job, (B, K)
+    tokens: list[np.ndarray | None]  # per bootstrap job, (B,) replicate tokens
+
+
+def _zero_bins(bins) -> None:
+    for name in ("count", "mass", "wsum", "wsq", "seqfrac"):
+        a = getattr(bins, name)
+        if a is not None:
+            a[:] = 0
+    if bins.wmax is not None:
+        bins.wmax[:] = -math.inf
+
+
+def one_pass(plan, fine, boot, bootstrap, unit, seed, main, progress) -> Pass:
+    """One pass over the log, on the fused path, for two sets of jobs: `fine` (refinement
+    grids; exact counts, an ungrouped Tally) and `boot` (the bootstrap columns; a Tally
+    grouped by unit, in sub-batches of ~SUB_BATCH tokens so that the groups stay few: each
+    sub-batch's per-unit counts are multiplied by the units' Poisson weights and added).
+    Sequence rules of either set are scored from `main`'s sequence statistics, with no
+    pass; m2po (step) is refined, never resampled."""
+    B = bootstrap
+    out = Pass([None] * len(fine), [None] * len(boot), [None] * len(boot))
+    tf = [i for i, j in enumerate(fine) if j.rule.level != "sequence"]
+    tb = [i for i, j in enumerate(boot) if j.rule.level == "token"] if B else []
+    if tf or tb:
+        need = {"trainer_logprob", "inference_logprob", "step"}
+        if tb and unit == "sequence":
+            need.add("sample_id")
+        for j in [*fine, *boot]:
+            need |= set(j.rule.needs)
+        adv = "advantage" in need
+        ftally = engine.Tally([fine[i] for i in tf], None, has_adv=adv) if tf else None
+        btally = engine.Tally([boot[i] for i in tb], "step", has_adv=adv) if tb else None
+        bjobs = [boot[i] for i in tb]
+        edges = np.cumsum([0] + [len(j.values) for j in bjobs])
+        rep = np.zeros((B, int(edges[-1])))
+        rtok = np.zeros(B)
+        units = _Units(unit)
+        m2po = ftally is not None and any(fine[i].rule.level == "step" for i in tf)
+        bounds = ingest.step_bounds(plan) if m2po else None
+        total = sum(plan.rows)
+        report = ingest.ReadReport()
+        keep = ["trainer_logprob", "inference_logprob"] + (["advantage"] if adv else [])
+        for _, df in ingest.iter_batches(plan, sorted(need), report):
+            if not df.height:
+                continue
+            if ftally is not None:
+                ftally.add_batch(df)
+                if bounds is not None:
+                    done = bisect.bisect_right(bounds[0], report.rows)
+                    if done:
+                        ftally.seal_m2po(bounds[1][done - 1], background=True)
+            for s in range(0, df.height if btally is not None else 0, SUB_BATCH):
+                sub = df.slice(s, SUB_BATCH)
+                uniq, local = units.codes(sub)
+                btally.add_batch(sub.select(keep).with_columns(step=pl.Series(local)))
+                btally.flush()
+                order = np.asarray(btally.groups, dtype=np.int64)
+                here = order < uniq.shape[0]
+                parts = []
+                for k, job in enumerate(bjobs):
+                    bins = btally.bins[k]
+                    c = np.zeros((uniq.shape[0], bins.count.shape[1]))
+                    c[order[here]] = bins.count[: order.shape[0]][here]
+                    _zero_bins(bins)
+                    parts.append(suffix_values(job, c))
+                w = engine.poisson_weights(uniq, B, seed)
+                rtok += w @ np.bincount(local, minlength=uniq.shape[0]).astype(float)
+                rep += w @ np.hstack(parts)
+            if progress is not None:
+                progress(report.rows, total)
+        if ftally is not None:
+            ftally.wait_m2po()
+            for k, i in enumerate(tf):
+                out.hits[i] = readout.job_counts(ftally, k)[1]
+        for k, i in enumerate(tb):
+            out.reps[i] = rep[:, edges[k] : edges[k + 1]]
+            out.tokens[i] = rtok
+    sf = [i for i, j in enumerate(fine) if j.rule.level == "sequence"]
+    sb = [i for i, j in enumerate(boot) if j.rule.level == "sequence"] if B else []
+    if sf or sb:
+        st = main.seq_stats()
+        for i in sf:
+            out.hits[i] = seq_hits(st, fine[i])
+        if sb:
+            main.boot_replicates, main.boot_unit, main.boot_seed = B, unit, seed
+            try:
+                w = main.seq_unit_weights()
+            finally:
+                main.boot_replicates = 0
+            for i in sb:
+                out.reps[i] = seq_hits(st, boot[i], w)
+                out.tokens[i] = (w * st.n[None, :]).sum(axis=1)
+    return out
+
+
+def refine(plan, searches, target: float, tol: float, rounds: int, main, progress) -> None:
+    """Refine every open bracket with REFINE_POINTS new grid points, all searches in one
+    pass per round (`one_pass`; sequence rules from `main`'s sequence statistics, with no
+    pass), until none is open or `rounds` rounds are spent."""
+    for _ in range(rounds):
+        todo = [s for s in searches if s.state(target, tol)[2] == "refine"]
+        if not todo:
+            return
+        fine = [
+            engine.Job(
+                s.job.rule, s.job.param, grid_between(*s.state(target, tol)[3], REFINE_POINTS)
+            )
+            for s in todo
+        ]
+        res = one_pass(plan, fine, [], 0, None, 0, main, progress)
+        for s, job, hits in zip(todo, fine, res.hits, strict=True):
+            s.add(job.values, hits)
+            s.passes += job.rule.level != "sequence"
+
+
+def job_key(j: engine.Job) -> tuple:
+    """Jobs that count the same tokens the same way have the same key (a preset's name
+    aside: its arithmetic and every parameter are in it)."""
+    r = j.rule
+    return (r.name, r.arith, r.precision, r.setting(j.param), j.param, tuple(j.values.tolist()))

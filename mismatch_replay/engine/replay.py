@@ -1,0 +1,192 @@
+"""replay() and sweep(): a log streamed once into a Tally, and the Tally's sweep table.
+
+Design
+------
+`replay` plans the read (ingest: the schemas alone), the jobs (jobs.py) and the columns
+(stream.py), then streams the batches, read ahead in a thread, into one Tally
+(tally.py); `sweep` is `replay(final=True)` and the Tally's readout. With final=True m2po's
+steps are resolved during the replay as soon as the Parquet row-group statistics of the
+step column rule out more of their rows (`Tally.seal_m2po`, in a thread beside the
+replay). match="prime-rl" and --by length cost a pre-pass that numbers the sequences and
+counts their loss tokens (`stream.count_sequences`). engine="ray" computes the same Tally
+per shard on a Ray cluster and adds them up (ray.py). The timings of the default sweep are
+in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from ..errors import DataError, UsageError
+from ..ingest import Plan, ReadOptions, iter_batches, plan_sources, step_bounds
+from ..rules import Rule, spec_warnings
+from . import ray as ray_engine
+from . import stream
+from .jobs import Job, check_jobs, check_precision, current_precision, plan_jobs, with_precision
+from .tally import SweepResult, Tally
+
+ENGINES = ("local", "ray")
+MATCH = ("prime-rl",)
+
+
+def replay(
+    sources: Sequence[str | Path] | Plan,
+    rules: Sequence[Rule | str] | None = None,
+    sweeps: dict[str, str | np.ndarray] | None = None,
+    by: str | None = None,
+    options: ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    match: str | None = None,
+    bootstrap: tuple[int, str, int] | None = None,
+    robust: bool = False,
+    jobs: Sequence[Job] | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
+    final: bool = False,
+    precision: str | None = None,
+) -> Tally:
+    """Stream the sources once and return the Tally for these rules and sweeps.
+
+    `precision="float32"` replays every rule decision in the float32 arithmetic the
+    frameworks run on the GPU (rules.TokenBatch): the log-probs rounded to float32, each
+    rule's score computed in float32 (a preset's in its framework's formula), the
+    thresholds rounded to float32, NaN decided as the framework's comparison decides it.
+    Sequence sums are float32 values added in float64 and rounded once (a GPU's float32
+    reduction order cannot be reproduced). It runs on the simple path; the metrics and the
+    scatter stay float64. None: `use_precision`'s default, else "float64".
+
+    `final=True` promises that this Tally will not be added to another: m2po's steps are
+    then resolved during the replay as soon as the rows still to come cannot hold them (from
+    the Parquet row-group statistics of the step column), so its store keeps only the steps
+    in flight instead of every token (sweep() and the CLI pass it).
+
+    `match="prime-rl"` reproduces prime-rl's logging conventions: zero-advantage tokens are
+    left out of everything, and the table gains `is_masked_mean`, the mean over sequences of
+    each sequence's masked fraction (prime-rl's `is_masked/mean`). That needs each sequence's
+    token count up front, so it costs one extra pass over the log.
+
+    `bootstrap=(replicates, unit, seed)` also accumulates Poisson-bootstrap replicates of every
+    token rule's per-bin counts over units "sequence" or "step" (analysis.choose uses it).
+    `robust=True` keeps per-group k3 histograms and top-k3 tokens (analysis.drift uses it).
+    `jobs` replaces rules and sweeps with ready-made jobs.
+
+    `engine="ray"` computes the same Tally per file on a Ray cluster (ray.py;
+    `ray_address` attaches to a running one, else `ray.init()` decides) and adds them up.
+    """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: use one of {', '.join(ENGINES)}.")
+    plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
+    if jobs is None:
+        jobs, notes = plan_jobs(rules, sweeps, plan.columns)
+    else:
+        jobs, notes = check_jobs(jobs, plan.columns, str(plan.files[0])), []
+    if precision is None:
+        precision = current_precision()
+    if precision is not None:
+        jobs = with_precision(jobs, check_precision(precision))
+    precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
+    if engine == "ray":
+        if match is not None or bootstrap is not None or robust or by == "length":
+            raise UsageError(
+                "--engine ray computes sweeps, metrics and scatters; --match, --by length, "
+                "bootstraps and robust drift statistics run on the local engine (drop "
+                "--engine ray)."
+            )
+        tally = ray_engine.replay(plan, jobs, by, address=ray_address, progress=progress)
+        tally.notes = [*notes, *tally.notes]
+        tally.rule_warnings = spec_warnings(rules or [])
+        return tally
+    available = plan.columns
+    cols = stream.columns_needed(jobs, by, available)
+    keep = None
+    pre = None
+    if match is not None:
+        if match not in MATCH:
+            raise UsageError(f"--match {match}: known conventions: {', '.join(MATCH)}.")
+        need = [c for c in ("advantage", "sample_id") if c not in available]
+        if need:
+            raise DataError(
+                f"{plan.files[0]}: --match prime-rl drops zero-advantage tokens and averages "
+                f"over sequences, so it needs the column(s) {', '.join(need)} "
+                f"(found: {', '.join(available)}). Map them with --map."
+            )
+        cols = sorted(set(cols) | {"advantage", "sample_id"})
+
+        def keep(df):
+            return df.filter(pl.col("advantage") != 0)
+
+    if robust and "position" in available and "position" not in cols:
+        cols = [*cols, "position"]
+    if match is not None or by == "length":
+        pre = stream.count_sequences(plan, cols, keep)
+    inv_n = None if pre is None or match is None else 1.0 / pre[1]
+    tally = Tally(
+        jobs,
+        by,
+        has_seq="sample_id" in cols,
+        has_adv="advantage" in cols,
+        inv_n=inv_n,
+        seq_len=None if pre is None or by != "length" else pre[1].astype(np.int64),
+        has_pgroup="group_id" in cols and "sample_id" in cols,
+        precision=precision,
+    )
+    if pre is not None:
+        tally.seq_keys = dict(pre[0])
+    tally.robust = robust
+    if bootstrap is not None:
+        tally.boot_replicates, tally.boot_unit, tally.boot_seed = bootstrap
+        if tally.boot_unit == "sequence" and not tally.has_seq:
+            raise DataError(
+                f"{plan.files[0]}: a bootstrap over sequences needs a sample_id column; "
+                "use --bootstrap-unit step, or map one with --map sample_id=COLUMN."
+            )
+    tally.notes = notes
+    total = sum(plan.rows)
+    dropped_zero = 0
+    # m2po's steps are resolved as soon as the rows still to come cannot hold them (sorted
+    # logs: one step at a time, so its store stays small); None: all at the end
+    m2po = final and any(j.rule.level == "step" for j in jobs)
+    bounds = step_bounds(plan) if m2po else None
+    report = tally.report
+    checked = False
+    batches = ((df, report.rows) for _, df in iter_batches(plan, cols, report))
+    for df, rows in stream.prefetch(batches):  # rows: raw rows read up to this batch
+        if keep is not None:
+            before = df.height
+            df = keep(df)
+            dropped_zero += before - df.height
+        if df.height and not checked:  # are the two columns about the same tokens?
+            checked = True
+            stream.warn_alignment(plan, df)
+        if df.height:
+            tally.add_batch(df)
+        if bounds is not None:
+            done = bisect.bisect_right(bounds[0], rows)  # row groups read to their end
+            if done:
+                tally.seal_m2po(bounds[1][done - 1], background=True)
+        if progress is not None:
+            progress(tally.report.rows, total)
+    tally.wait_m2po()
+    stream.check_loss_tokens(plan, tally)
+    if match is not None:
+        tally.notes.append(
+            f"prime-rl conventions: {dropped_zero:,} zero-advantage loss tokens left out; "
+            "is_masked_mean = mean over sequences of per-sequence masked fractions"
+        )
+    tally.rule_warnings = spec_warnings(rules or [])
+    return tally
+
+
+def sweep(*args, **kwargs) -> SweepResult:
+    """`replay(..., final=True)` then the sweep table (see `replay` for the arguments)."""
+    kwargs.setdefault("final", True)
+    tally = replay(*args, **kwargs)
+    res = tally.result()
+    res.notes = list(tally.notes)
+    res.warnings = list(tally.rule_warnings)
+    return res

@@ -1,0 +1,675 @@
+"""The Tally: the additive summary of one pass over a log, filled batch by batch.
+
+Design
+------
+`Tally.add_batch` takes a batch of canonical rows and adds, for every job (jobs.py), its
+tokens to per-bin sums (bins.py: bin j holds the tokens above exactly j of the K sorted
+thresholds, so the masked count at every grid point is a suffix sum), plus the mismatch
+metric sums (metrics.py), the two scatter histograms and, for a log with sequence ids, the
+per-sequence sums (sequences.py) and each token job's highest bin per sequence (every rule
+then reports the sequences it touches). Its parts, each with one owner:
+
+- token bins (`bins`, `seq_max`), filled by the fused path or the simple path;
+- the sequences (`sequences`: keys, SEQ_STATS sums, codes), scored at the end
+  (`job_bins` bins the sequence rules' scores);
+- m2po (`m2po_part`, m2po.py: the per-step store and the bins of the steps resolved);
+- the scatter (`hist_lin`, `hist_log`) and the metrics (`metrics`);
+- with bootstrap=, the Poisson replicates of the token jobs' counts (`boot_*`); with
+  robust=, per-group log10 k3 histograms and top tokens (`k3_hist`, `top`).
+
+Two paths fill the token bins. The *fused* one (fast/: numba) bins each token's
+coordinates once for every token job the program derives from the rules' score(), with the
+metrics, the scatter and the sequence sums, in one loop over the batch split over the
+cores; the tokens it cannot settle (ties with a threshold) come back flagged and take the
+simple path here. The *simple* one is numpy, rule by rule (`rule.score()`, a search against
+the sorted thresholds, `np.bincount`): the reference the fused path is tested against, and
+what runs without numba, for bootstraps and for float32 replays. `paths()` says which path
+computed each job, and why.
+
+Grouping (`by`): every token gets a group code before the paths run, so both group
+identically. `step` and `env` are the token's column; `q_bucket` its inference
+probability's bucket (a sequence then spans groups: readout.py); `length` its sequence's
+bucket [2^k, 2^(k+1)) of loss tokens, from the replay's pre-pass (`seq_len`), so a sequence
+never spans length buckets. Every piece of a Tally is a sum, a max or a min, so `Tally +
+Tally` merges shards exactly, whatever the split into files, batches or threads (a
+sequence of unknown length, or an m2po step resolved in one of them, is refused).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from .. import fast, pmath
+from ..errors import UsageError
+from ..ingest import ReadReport
+from ..metrics import MetricSums
+from ..rules import LOG_CLAMP, SeqStats, TokenBatch
+from .bins import (
+    K3_BINS,
+    Q_BUCKET_EDGES,
+    SCATTER_BINS,
+    SCATTER_LOG10_MIN,
+    TOP_TOKENS,
+    Grow,
+    JobBins,
+    accumulate,
+    k3_bin,
+    length_bucket,
+    new_bins,
+    poisson_weights,
+    q_bucket,
+    scatter_index,
+    seq_count,
+)
+from .jobs import Job
+from .m2po import M2POStore, M2POTally
+from .readout import sweep_table
+from .sequences import SUMS, Sequences, partials
+
+GROUP_KEYS = ("step", "env", "q_bucket", "length")
+
+
+@dataclass
+class SweepResult:
+    """What sweep() returns: the table, the metrics, the Tally, and each job's path."""
+
+    table: pl.DataFrame  # the long sweep table (one row per job x value x group)
+    metrics: pl.DataFrame  # mismatch metrics per group
+    tally: Tally
+    notes: list[str] = field(default_factory=list)  # e.g. rules skipped for lack of a column
+    warnings: list[str] = field(default_factory=list)  # e.g. a preset's framework quirk
+    # per job, in job order: {"rule", "param", "path": "fused" | "simple", "reason"}
+    # (Tally.paths)
+    paths: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Tally:
+    """Additive summary of one pass over a log: enough to answer every sweep question."""
+
+    jobs: list[Job]
+    by: str | None = None
+    has_seq: bool = False
+    has_adv: bool = False
+    groups: list = field(default_factory=list)
+    bins: list[JobBins | None] = field(default_factory=list)
+    metrics: MetricSums = field(default_factory=MetricSums)
+    # each token job's highest bin per sequence (by global sequence id; -1: none)
+    seq_max: dict[int, Grow] = field(default_factory=dict)
+    # scatter histograms, [q bin, p bin]: linear probability axes and log10 axes
+    hist_lin: np.ndarray = field(
+        default_factory=lambda: np.zeros((SCATTER_BINS, SCATTER_BINS), np.int64)
+    )
+    hist_log: np.ndarray = field(
+        default_factory=lambda: np.zeros((SCATTER_BINS, SCATTER_BINS), np.int64)
+    )
+    report: ReadReport = field(default_factory=ReadReport)
+    notes: list[str] = field(default_factory=list)
+    # prime-rl conventions (match="prime-rl"): 1 / loss tokens of each sequence, by sequence id
+    inv_n: np.ndarray | None = None
+    # --by length: loss tokens of each sequence, by sequence id, counted by replay's pre-pass
+    seq_len: np.ndarray | None = None
+    # prompt groups (the log has a group_id): each sequence's (step, group_id) code
+    has_pgroup: bool = False
+    rule_warnings: list[str] = field(default_factory=list)
+    # streaming Poisson bootstrap over units ("sequence" or "step"), see poisson_weights
+    boot_replicates: int = 0
+    boot_unit: str | None = None
+    boot_seed: int = 0
+    boot_counts: dict[int, np.ndarray] = field(default_factory=dict)  # (B, K + 2) per job
+    boot_tokens: np.ndarray | None = None  # (B,) weighted loss tokens
+    robust: bool = False
+    k3_hist: np.ndarray | None = None  # (G, K3_BINS + 1) token counts
+    k3_hist_sum: np.ndarray | None = None  # (G, K3_BINS + 1) sum of k3 per bin
+    top: dict = field(default_factory=dict)  # group index -> {"k3", "step", "sample_id", ...}
+    # the arithmetic of the rule decisions ("float32": as the frameworks run them on the
+    # GPU; the simple path, see replay()); metrics and the scatter stay float64
+    precision: str = "float64"
+
+    def __post_init__(self):
+        if not self.bins:
+            self.bins = [
+                None
+                if j.rule.level != "token"
+                else new_bins(len(j.values), 0, j.rule.kind == "weight", self.inv_n is not None)
+                for j in self.jobs
+            ]
+        self.sequences = Sequences()
+        self.m2po_part = M2POTally(self.jobs)
+        self._gidx = {v: i for i, v in enumerate(self.groups)}
+        self._fused: fast.Fused | None = None  # the fused path's accumulators
+        self._fused_off: str | None = None  # why the simple path runs everything
+        self._paths: list[dict] | None = None  # each job's path, once decided
+        self._scratch: dict[str, np.ndarray] = {}
+        self._prompt_cache: tuple[int, tuple | None] | None = None
+        self.version = 0  # bumped by every change (m2po's bins and the layout cache on it)
+        if any(j.rule.precision == "float32" for j in self.jobs):
+            self.precision = "float32"
+        # verl's sequence presets read sums of l clamped to +-20 (SeqStats.sum_lc, sum_k3c):
+        # kept only when a job needs them (the fused kernel does not compute them)
+        self.clamped_seq = any(
+            j.rule.level == "sequence" and j.rule.arith in ("verl", "verl-k1") for j in self.jobs
+        )
+
+    # -- the parts' public faces
+    @property
+    def seq_keys(self) -> dict:
+        """(step, sample_id) -> global sequence id, in order of appearance."""
+        return self.sequences.keys
+
+    @seq_keys.setter
+    def seq_keys(self, keys: dict) -> None:
+        self.sequences.keys = keys
+
+    @property
+    def m2po(self) -> M2POStore:
+        """m2po's store of the steps not resolved yet."""
+        return self.m2po_part.store
+
+    @property
+    def m2po_sealed(self) -> set:
+        """m2po's steps resolved during the replay."""
+        return self.m2po_part.sealed
+
+    # -- groups and sequences
+    def _group_codes(self, df: pl.DataFrame, seq=None) -> np.ndarray:
+        if self.by == "length":
+            return self._length_codes(seq[0])
+        if self.by is None:
+            if not self.groups:
+                self.groups.append(None)
+                self._gidx[None] = 0
+            z = self._scratch.get("zeros")  # one read-only array of zeros: a fresh one per
+            if z is None or z.shape[0] < df.height:  # batch cost a page fault per 512 tokens
+                z = self._scratch["zeros"] = np.zeros(max(df.height, 1), dtype=np.int64)
+                z.flags.writeable = False
+            return z[: df.height]
+        if self.by == "q_bucket":
+            q = pmath.exp(df["inference_logprob"].to_numpy())
+            col = pl.Series("q_bucket", np.asarray(Q_BUCKET_EDGES)[q_bucket(q)])
+            df = pl.DataFrame([col])
+        else:
+            col = df[self.by]
+        u = col.unique(maintain_order=True).to_list()
+        for v in u:
+            if v not in self._gidx:
+                self._gidx[v] = len(self.groups)
+                self.groups.append(v)
+        lut = pl.DataFrame(
+            {self.by: pl.Series(u, dtype=col.dtype), "_g": [self._gidx[v] for v in u]}
+        )
+        return (
+            df.select(self.by)
+            .join(lut, on=self.by, how="left", maintain_order="left")["_g"]
+            .to_numpy()
+            .astype(np.int64)
+        )
+
+    def _length_codes(self, gid: np.ndarray) -> np.ndarray:
+        """--by length: each token's group is its sequence's length bucket (from the
+        pre-pass's counts, `seq_len`); the buckets are registered once, in ascending order."""
+        codes = self._scratch.get("len_codes")
+        if codes is None:
+            if self.seq_len is None:
+                raise UsageError(
+                    "--by length needs each sequence's loss tokens up front: run it through "
+                    "replay(), which counts them in a first pass."
+                )
+            b = length_bucket(self.seq_len)
+            present = np.unique(b)
+            lut = np.full(int(present.max(initial=0)) + 1, -1, dtype=np.int64)
+            for v in present.tolist():
+                label = 1 << v
+                if label not in self._gidx:
+                    self._gidx[label] = len(self.groups)
+                    self.groups.append(label)
+                lut[v] = self._gidx[label]
+            codes = self._scratch["len_codes"] = lut[b]
+        if gid.shape[0] and gid.max() >= codes.shape[0]:
+            raise AssertionError("internal error: a sequence the length pre-pass did not see")
+        return codes[gid]
+
+    def seq_codes(self, df: pl.DataFrame) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Per-token global sequence ids of a batch, and (its distinct ids, each token's
+        index into them): `Sequences.codes` (the arrays may be reused by the next call)."""
+        return self.sequences.codes(df)
+
+    # -- one batch
+    def _fused_state(self) -> fast.Fused | None:
+        """The fused path's state, or None where the simple path runs everything (the
+        reason in `_fused_off`)."""
+        if self._fused is not None or self._fused_off is not None:
+            return self._fused
+        if self.boot_replicates:
+            self._fused_off = "bootstrap replicates (the simple path)"
+        elif self.precision != "float64":
+            self._fused_off = f"{self.precision} replay"
+        elif fast.backend() != "numba":
+            self._fused_off = _numpy_backend_reason()
+        if self._fused_off is not None:
+            return None
+        try:
+            program = fast.Program(self.jobs)
+        except fast.TooManyCoordinates as exc:  # rare: the simple path, same counts
+            self.notes.append(f"fast path off ({exc}); the numpy path runs every rule")
+            self._fused_off = str(exc)
+            return None
+        self._fused = fast.Fused(program, seqfrac=self.inv_n is not None)
+        return self._fused
+
+    def paths(self) -> list[dict]:
+        """Each job's path, in job order: {"rule": spec, "param": the swept parameter (None
+        for a single setting), "path": "fused" or "simple", "reason": why simple (None when
+        fused)}. Decided on the first batch (a Tally that saw none: as it would decide)."""
+        if self._paths is None:
+            fused = self._fused_state()
+            reasons = fused.p.reasons if fused is not None else [self._fused_off] * len(self.jobs)
+            self._paths = [_path(job, why) for job, why in zip(self.jobs, reasons, strict=True)]
+        return self._paths
+
+    def add_batch(self, df: pl.DataFrame) -> None:
+        """Add a batch of canonical rows (loss tokens only) to every part."""
+        lp = df["trainer_logprob"].to_numpy()
+        lq = df["inference_logprob"].to_numpy()
+        adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
+        has_m2po = bool(self.m2po_part.jobs)
+        seq = self.sequences.codes(df) if self.has_seq else None
+        if self.has_pgroup and seq is not None:
+            self.sequences.add_pgroups(df)
+        g = self._group_codes(df, seq)
+        G = len(self.groups)
+        ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
+        self.version += 1
+        fused = self._fused_state()
+        if self._paths is None:
+            self.paths()
+        if fused is None:
+            self._add_batch_numpy(df, TokenBatch(lp, lq, adv), g, G, ent, seq)
+            return
+        inv_tok = self.inv_n[seq[0]] if self.inv_n is not None else None
+        lin_w = 1.0 / SCATTER_BINS
+        log_w = (0.0 - SCATTER_LOG10_MIN) / SCATTER_BINS
+        out = fused.run(
+            lp,
+            lq,
+            adv,
+            g,
+            G,
+            seq[1][1] if seq is not None else None,
+            seq[1][0].shape[0] if seq is not None else 0,
+            inv_tok,
+            ent,
+            m2po=has_m2po,
+            scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
+            log_clamp=LOG_CLAMP,
+        )
+        self.metrics.add_sums(out.msum, out.mmax, G)
+        self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
+        self.hist_log += out.hist_log.reshape(SCATTER_BINS, SCATTER_BINS)
+        if seq is not None:
+            uniq, local = seq[1]
+            parts = {k: v for k, v in out.seq.items() if adv is not None or k != "sum_adv"}
+            parts["group"] = out.seq_first.astype(np.float64)
+            rest = [
+                s for s in SUMS if s.name not in out.seq and (self.clamped_seq or not s.optional)
+            ]
+            if rest:  # statistics the kernel does not compute (verl's clamped sums): numpy
+                tb = TokenBatch(lp, lq, adv)
+                parts |= partials(rest, tb, tb.at(self.precision), local, uniq.shape[0])
+            self.sequences.merge(parts, uniq)
+        if has_m2po and out.m2po_x is not None:
+            self.m2po_part.add(
+                df["step"].to_numpy(),
+                out.m2po_x,
+                out.m2po_mass,
+                g if self.by is not None else None,
+                seq[0] if seq is not None else None,
+            )
+        tb = None
+        for ji, job in enumerate(self.jobs):
+            if job.rule.level != "token":
+                continue
+            slot = fused.p.slot[ji]
+            if slot < 0:  # a rule the program does not compile: the simple path
+                tb = tb if tb is not None else TokenBatch(lp, lq, adv)
+                self._add_job_numpy(ji, job, tb, g, G, seq, None)
+            elif seq is not None:
+                uniq = seq[1][0]
+                acc = self.seq_max.setdefault(ji, Grow(-1.0))
+                acc.ensure(len(self.sequences))
+                acc.a[uniq] = np.maximum(acc.a[uniq], out.smax[:, slot])
+        for c, idx in out.flagged:  # tokens inside a coordinate's window: the simple path
+            sub = TokenBatch(lp[idx], lq[idx], adv[idx] if adv is not None else None)
+            sseq = None if seq is None else (seq[0][idx], (seq[1][0], seq[1][1][idx]))
+            for ji in fused.p.coord_jobs[c]:
+                self._add_job_numpy(ji, self.jobs[ji], sub, g[idx], G, sseq, None)
+        if self.robust:
+            tb = tb if tb is not None else TokenBatch(lp, lq, adv)
+            self._add_robust(df, tb, g, G)
+
+    def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq) -> None:
+        """The simple path: numpy, rule by rule (the reference for the fused path)."""
+        self.metrics.add(tb, g, G, ent)
+        self._add_scatter(tb)
+        if seq is not None:
+            ts = tb.at(self.precision)  # the per-token values in the replay's arithmetic
+            self.sequences.add_numpy(tb, ts, g, seq, self.clamped_seq)
+        boot = self._boot_units(df, seq) if self.boot_replicates else None
+        if self.robust:
+            self._add_robust(df, tb, g, G)
+        if self.m2po_part.jobs:
+            ts = tb.at(self.precision)  # l^2 in the replay's arithmetic
+            with np.errstate(over="ignore"):  # inf for absurd l: masked first
+                x2 = ts.l * ts.l
+            self.m2po_part.add(
+                df["step"].to_numpy(),
+                x2,
+                tb.abs_dp,
+                g if self.by is not None else None,
+                seq[0] if seq is not None else None,
+            )
+        for ji, job in enumerate(self.jobs):
+            if job.rule.level == "token":
+                self._add_job_numpy(ji, job, tb, g, G, seq, boot)
+
+    def _add_job_numpy(self, ji: int, job: Job, tb: TokenBatch, g, G: int, seq, boot) -> None:
+        rule = job.rule
+        bins = self.bins[ji]
+        bins.grow(G)
+        score = np.asarray(rule.score(tb, job.param), dtype=np.float64)
+        thr = job.sorted_thresholds
+        if np.isnan(score).any():
+            raise AssertionError("internal error: a rule produced NaN scores")
+        b = np.searchsorted(thr, score, side="right" if rule.inclusive else "left")
+        b[score == math.inf] = thr.shape[0] + 1
+        w = rule.weight(tb, job.param) if rule.kind == "weight" else None
+        inv_n = self.inv_n[seq[0]] if self.inv_n is not None else None
+        accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n)
+        if boot is not None:
+            uniq, local, wts = boot
+            width = len(job.values) + 2
+            c = np.bincount(local * width + b, minlength=uniq.shape[0] * width)
+            acc = self.boot_counts.setdefault(ji, np.zeros((self.boot_replicates, width)))
+            acc += wts @ c.reshape(uniq.shape[0], width)
+        if seq is not None:
+            uniq, local = seq[1]
+            part = np.full(uniq.shape[0], -1.0)
+            np.maximum.at(part, local, b)
+            acc = self.seq_max.setdefault(ji, Grow(-1.0))
+            acc.ensure(len(self.sequences))
+            acc.a[uniq] = np.maximum(acc.a[uniq], part)
+
+    def flush(self) -> None:
+        """Move the fused path's per-thread accumulators into `bins` (idempotent)."""
+        f = self._fused
+        if f is None or not f.dirty:
+            return
+        G = len(self.groups)
+        taken = f.take(G)
+        for ji, slot in enumerate(f.p.slot):
+            if slot < 0 or self.jobs[ji].rule.level != "token":
+                continue
+            bins = self.bins[ji]
+            bins.grow(G)
+            v = f.job_view(taken, slot)
+            bins.count += v["count"]
+            bins.mass += v["mass"]
+            if bins.seqfrac is not None and "seqfrac" in v:
+                bins.seqfrac += v["seqfrac"]
+            if bins.wsum is not None and "wsum" in v:
+                bins.wsum += v["wsum"]
+                bins.wsq += v["wsq"]
+                np.maximum(bins.wmax, v["wmax"], out=bins.wmax)
+
+    def __getstate__(self):
+        self.flush()
+        self.wait_m2po()
+        state = dict(self.__dict__)
+        state["_fused"] = None
+        state["_scratch"] = {}  # per-batch buffers: nothing to ship
+        state["_prompt_cache"] = None
+        return state
+
+    def _add_robust(self, df: pl.DataFrame, tb: TokenBatch, g: np.ndarray, G: int) -> None:
+        width = K3_BINS + 1
+        for name in ("k3_hist", "k3_hist_sum"):
+            a = getattr(self, name)
+            if a is None:
+                a = np.zeros((0, width))
+            if a.shape[0] < G:
+                a = np.vstack([a, np.zeros((G - a.shape[0], width))])
+            setattr(self, name, a)
+        k3 = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
+        k3 = pmath.expm1(k3) - k3
+        idx = g * width + k3_bin(k3)
+        self.k3_hist += np.bincount(idx, minlength=G * width).reshape(G, width)
+        self.k3_hist_sum += np.bincount(idx, weights=k3, minlength=G * width).reshape(G, width)
+        extra = {c: df[c].to_numpy() for c in ("step", "sample_id", "position") if c in df.columns}
+        order = np.lexsort((-k3, g))  # by group, k3 descending
+        gs = g[order]
+        starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
+        for st in starts:
+            gi = int(gs[st])
+            sel = order[st : st + TOP_TOKENS]
+            sel = sel[g[sel] == gi]
+            new = {"k3": k3[sel], "p": tb.p[sel], "q": tb.q[sel]} | {
+                c: v[sel] for c, v in extra.items()
+            }
+            old = self.top.get(gi)
+            if old is not None:
+                new = {c: np.concatenate([old[c], new[c]]) for c in new}
+            keep = np.argsort(-new["k3"], kind="stable")[:TOP_TOKENS]
+            self.top[gi] = {c: v[keep] for c, v in new.items()}
+
+    def _boot_units(self, df: pl.DataFrame, seq):
+        """(distinct units, per-token unit index, (B, units) Poisson weights) of a batch."""
+        ids = seq[0] if self.boot_unit == "sequence" else df["step"].to_numpy()
+        uniq, local = np.unique(ids, return_inverse=True)
+        wts = poisson_weights(uniq, self.boot_replicates, self.boot_seed)
+        tokens = wts @ np.bincount(local, minlength=uniq.shape[0]).astype(float)
+        self.boot_tokens = tokens if self.boot_tokens is None else self.boot_tokens + tokens
+        return uniq, local, wts
+
+    def seq_unit_weights(self) -> np.ndarray:
+        """(B, sequences) bootstrap weights of each sequence (by its own id or its step)."""
+        n = len(self.sequences)
+        if self.boot_unit == "sequence":
+            ids = np.arange(n)
+        else:
+            ids = np.empty(n, dtype=np.int64)
+            for (step, _), i in self.seq_keys.items():
+                ids[i] = step
+        return poisson_weights(ids, self.boot_replicates, self.boot_seed)
+
+    def _add_scatter(self, tb: TokenBatch) -> None:
+        n = SCATTER_BINS
+        for hist, x, y, log in (
+            (self.hist_lin, tb.q, tb.p, False),
+            (self.hist_log, tb.lq / math.log(10), tb.lp / math.log(10), True),
+        ):
+            idx = scatter_index(x, log) * n + scatter_index(y, log)
+            hist += np.bincount(idx, minlength=n * n).reshape(n, n)
+
+    # -- merging
+    def __add__(self, other: Tally) -> Tally:
+        if [j.label for j in self.jobs] != [j.label for j in other.jobs] or self.by != other.by:
+            raise ValueError("can only add Tallies of the same jobs and grouping")
+        if self.robust or other.robust:
+            raise ValueError("robust Tallies (per-group top tokens) cannot be added yet")
+        if self.boot_replicates or other.boot_replicates:
+            raise ValueError("bootstrap Tallies number units per run and cannot be added")
+        out = Tally(self.jobs, self.by, self.has_seq, self.has_adv)
+        out.has_pgroup = self.has_pgroup and other.has_pgroup
+        out.absorb(self)
+        out.absorb(other)
+        return out
+
+    def absorb(self, t: Tally) -> None:
+        """Add another Tally of the same jobs into this one, in place (`+` builds a new one
+        from two; the Ray engine absorbs each shard's in input order). Its groups and
+        sequences are renumbered after this one's, as if its batches came after."""
+        self.flush()
+        t.flush()
+        self.wait_m2po()
+        t.wait_m2po()
+        self.version += 1
+        gmap = []
+        for v in t.groups:
+            if v not in self._gidx:
+                self._gidx[v] = len(self.groups)
+                self.groups.append(v)
+            gmap.append(self._gidx[v])
+        gmap = np.asarray(gmap, dtype=np.int64)
+        G = len(self.groups)
+        for mine, theirs in zip(self.bins, t.bins, strict=True):
+            if mine is not None:
+                mine.grow(G)
+                mine.absorb(theirs, gmap)
+        self.metrics.absorb(t.metrics, gmap, G)
+        if self.by == "length" and any(key in self.seq_keys for key in t.seq_keys):
+            raise ValueError(  # a sequence in both: neither Tally knew its length
+                "--by length: a sequence is in both Tallies, so neither knows its length; "
+                "replay those files together instead of adding Tallies"
+            )
+        smap = self.sequences.absorb(t.sequences, gmap)
+        n = len(self.sequences)
+        k = len(t.sequences)
+        for ji, grow in t.seq_max.items():
+            acc = self.seq_max.setdefault(ji, Grow(-1.0))
+            acc.ensure(n)
+            acc.a[smap] = np.maximum(acc.a[smap], grow.a[:k])
+        self.m2po_part.absorb(t.m2po_part, gmap, smap, G, n, self.has_seq, self.inv_n is not None)
+        self.report += t.report
+        self.hist_lin += t.hist_lin
+        self.hist_log += t.hist_log
+        self.notes = list(dict.fromkeys([*self.notes, *t.notes]))
+        if self._paths is None:
+            self._paths = t._paths
+
+    # -- m2po
+    def seal_m2po(self, below: float, background: bool = False) -> int:
+        """Resolve m2po's steps below `below`, now that every token of them has been added
+        (the caller knows: ingest's step bounds); their tokens leave the store, so it holds
+        only the steps in flight (M2POTally.seal). Returns the steps taken."""
+        G, n_seq = len(self.groups), len(self.sequences)
+        taken = self.m2po_part.seal(below, G, n_seq, self.inv_n, background)
+        if taken:
+            self.version += 1
+        return taken
+
+    def wait_m2po(self) -> None:
+        """Join a background seal_m2po (its errors are raised here)."""
+        self.m2po_part.wait()
+
+    def m2po_bins(self) -> dict[int, JobBins]:
+        """Every m2po job's finished bins (M2POTally.job_bins), cached until a change."""
+        return self.m2po_part.job_bins(
+            self.version,
+            len(self.groups),
+            len(self.sequences),
+            self.inv_n,
+            self.sequences.group() if self.has_seq else None,
+            fast.threads(),
+        )
+
+    # -- results
+    def seq_stats(self) -> SeqStats:
+        """The per-sequence statistics sequence rules score."""
+        return self.sequences.stats(self.has_adv, self.clamped_seq)
+
+    def job_bins(self, ji: int) -> JobBins:
+        """The finished per-bin sums of job `ji`, shape (groups, K + 2): a token job's bins
+        (with sequences per bin), a sequence job's from the sequence statistics, an m2po
+        job's from its steps."""
+        self.flush()
+        job = self.jobs[ji]
+        G = len(self.groups)
+        if job.rule.level == "sequence":
+            return self._sequence_job_bins(job, G)
+        if job.rule.level == "step":
+            return self.m2po_bins()[ji]
+        bins = self.bins[ji]
+        bins.grow(G)
+        if self.has_seq and ji in self.seq_max:
+            maxbin = self.seq_max[ji].a[: len(self.sequences)]
+            bins.seq_count = seq_count(self.sequences.group(), maxbin, len(job.values) + 2, G)
+            bins.seq_bin = maxbin
+        return bins
+
+    def _sequence_job_bins(self, job: Job, G: int) -> JobBins:
+        st = self.seq_stats()
+        rule = job.rule
+        score = rule.score(st, job.param)
+        b = fast.bin_scores(score, job.sorted_thresholds, rule.inclusive)
+        bins = new_bins(len(job.values), G, rule.kind == "weight")
+        g = self.sequences.group()
+        mass = self.sequences.column("mass")
+        w = rule.weight(st, job.param) if rule.kind == "weight" else None
+        accumulate(bins, b, g, G, mass, w, count=st.n)
+        bins.seq_count = seq_count(g, b, len(job.values) + 2, G)
+        bins.seq_bin = b
+        return bins
+
+    def prompt_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(sequence order by prompt group, each group's first position in it, each group's
+        --by group), or None where prompt-group counts are undefined: no group id, or a
+        prompt group whose samples fall in different --by groups (always for q_bucket and
+        length; for env where an env is not constant within a prompt group). Cached until
+        the tally changes."""
+        if self._prompt_cache is not None and self._prompt_cache[0] == self.version:
+            return self._prompt_cache[1]
+        out = None
+        n = len(self.sequences)
+        if self.has_pgroup and self.has_seq and n and self.by not in ("q_bucket", "length"):
+            pg = self.sequences.column("pgroup").astype(np.int64)
+            sg = self.sequences.group()
+            order = np.argsort(pg, kind="stable")
+            ps = pg[order]
+            starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+            gs = sg[order]
+            lo = np.minimum.reduceat(gs, starts)
+            hi = np.maximum.reduceat(gs, starts)
+            if (ps[0] >= 0) and (lo == hi).all():
+                out = (order, starts, lo)
+        self._prompt_cache = (self.version, out)
+        return out
+
+    def result(self) -> SweepResult:
+        """The sweep table, the metrics per group and each job's path."""
+        self.flush()
+        return SweepResult(
+            table=sweep_table(self),
+            metrics=self.metrics.table(self.by, self.groups),
+            tally=self,
+            paths=[dict(p) for p in self.paths()],
+        )
+
+
+def _path(job: Job, why: str | None) -> dict:
+    """One entry of Tally.paths(): the rule without the swept parameter, the swept one."""
+    rule = job.rule
+    swept = job.report_param or (job.param if len(job.values) > 1 else None)
+    if swept is None:
+        spec = rule.spec()
+    else:
+        name = f"{rule.name}@{rule.preset}" if rule.preset else rule.name
+        setting = rule.setting(swept)
+        spec = f"{name}:{setting}" if setting else name
+    return {
+        "rule": spec,
+        "param": swept,
+        "path": "simple" if why is not None else "fused",
+        "reason": why,
+    }
+
+
+def _numpy_backend_reason() -> str:
+    """Why the numpy backend runs: numba missing, or asked for."""
+    if importlib.util.find_spec("numba") is None:
+        return "numba not installed"
+    return "MISMATCH_REPLAY_KERNEL=numpy"

@@ -1,0 +1,671 @@
+"""The fused runner: the backend switch, the threads, and one call per batch.
+
+Design
+------
+The engine's simple path (engine/, `Tally._add_batch_numpy`) is numpy, rule by rule: each
+rule's `score()` builds its float64 arrays with one temporary per operation, then
+`np.searchsorted` bins them against the sorted thresholds and `np.bincount` adds the bins:
+~3.5 us a token for the default sweep (22 token jobs x 121 values, m2po, 10 sequence jobs),
+220x the time polars takes to read the two log-prob columns (the *scan floor*,
+benchmarks/README.md). It is the reference; `Fused` is the fast path.
+
+`Fused.run` hands a batch to `jit.coord_pass`, which bins each token once per coordinate
+of the `Program` (program.py: the tables derived from the rules' own score()) and adds its
+count, |dp| mass, 1/n and clamped-ratio sums to its (group, class, interval); the metrics,
+the scatter, the sequence sums and m2po's inputs come out of the same loop. A token inside
+a window is not added but sent to the simple path (`BatchOut.flagged` -> engine), so
+counts are exactly the simple path's at every grid point, ties, strict `>` and inclusive
+`>=` included. Real logs put almost no token in a window (4 of 20M in the benchmark log).
+`take()` turns the interval sums into each job's per-threshold bins (Program.expand).
+
+The kernels that loop over tokens (`coord_pass`, `m2po_step`) are compiled without numba's
+reference counting and allocate nothing: their scratch comes from here (`_scratch`, per
+thread), because numba put atomic increments and decrements of the arrays' reference
+counts around every token's additions, which cost more than the additions.
+
+Per token, in blocks of 512: p, q, |dp|, the clamped ratio, k3 and the binary KLs in
+vectorised loops (~1.5-2 ns per exp/expm1/log on AVX2, `vmath`); metrics, sequence sums and
+m2po's inputs one token at a time; then, coordinate by coordinate, one loop bins the
+block's tokens (a table load each) and a second adds them to their intervals' sums (count
+and |dp| mass side by side in one float64 array, so a token's two additions share a cache
+line): apart, each loop keeps more tokens' memory accesses in flight. About 91-92 ns a
+token on one core for the whole default sweep (sequences ~10 of it, the scatter ~10, the
+metrics ~4; 1M-token batch, best of 15). Metric maxima and the scatter's bins are exactly
+the simple path's (the same per-token bits, on every CPU); sums differ from the simple
+path's in the last bits (another order of addition).
+
+Buffers. Each runner owns its per-batch arrays that never leave `run()` (the window flags,
+the scatter counts: `_zeros`, grown once and zeroed per batch, since an array of megabytes
+fresh from the system faults in every page on first touch) and its per-thread scratch;
+m2po's inputs (l^2 and |dp|) are the runner's too (`_reused`, not zeroed): `BatchOut`
+lends them, and m2po's store copies them into slabs of its own before the next batch.
+m2po's per-step scratch is per thread.
+
+Threads: a batch is cut into 4 chunks per thread (MISMATCH_REPLAY_THREADS, default: the
+usable cores), taken by whichever thread is free; each thread adds into its own
+accumulators, padded apart so that no two threads write to one cache line (interval sums
+persist across batches and are expanded once, at `Tally.flush`; past ACCUM_BUDGET, 512 MiB
+of them -- e.g. --by step over thousands of steps on many cores -- fewer threads keep their
+own). Integer counts never depend on the split; floating-point sums (mass, weights,
+metrics) differ in the last bits, as they already do with how the log is cut into files
+and batches.
+
+Backend: `backend()` is "numba" where numba is installed (a core dependency; without it
+everything runs on the simple path with the same counts and one KernelWarning), "numpy"
+with MISMATCH_REPLAY_KERNEL=numpy or inside `use_backend("numpy")`. `compiled()` imports
+`jit` on first use: the first process compiles it (~30-60 s) into numba's cache next to the
+module (`__pycache__`); later ones start numba and load it in 0.45-0.8 s, numba's target
+started without its BLAS probe (`_start_numba_target`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import math
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .program import Program, make_binner, reference_bins
+
+# ----------------------------------------------------------------------------- backend
+
+_ENV = "MISMATCH_REPLAY_KERNEL"
+_THREADS_ENV = "MISMATCH_REPLAY_THREADS"
+_forced: str | None = None
+_compiled = None
+
+
+def backend() -> str:
+    """'numba' (the fused path) or 'numpy' (the simple path)."""
+    want = _forced or os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "numba", "numpy"):
+        raise ValueError(f"{_ENV}={want}: use auto, numba or numpy")
+    if want == "numpy":
+        return "numpy"
+    if importlib.util.find_spec("numba") is None:
+        if want == "numba":
+            raise RuntimeError(f"{_ENV}=numba but numba is not installed (pip install numba)")
+        _note_fallback()
+        return "numpy"
+    return "numba"
+
+
+class KernelWarning(UserWarning):
+    """The fused kernel cannot run: the numpy path does the work (same counts, slower)."""
+
+
+_fallback_noted = False
+
+
+def _note_fallback() -> None:
+    """Say once per process that numba is missing (a core dependency: a broken install)."""
+    global _fallback_noted
+    if _fallback_noted:
+        return
+    _fallback_noted = True
+    import warnings
+
+    warnings.warn(
+        "numba is not installed, so the numpy reference path runs every rule: the same "
+        "counts, ~10x slower. Install it (pip install numba) for the fused kernel.",
+        KernelWarning,
+        stacklevel=3,
+    )
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force 'numba', 'numpy' or 'auto' within a block (tests compare the two paths)."""
+    global _forced
+    old = _forced
+    _forced = name
+    try:
+        yield
+    finally:
+        _forced = old
+
+
+def compiled():
+    """The compiled kernels (the `jit` module: imports numba on first use), or None on the
+    numpy backend."""
+    global _compiled
+    if backend() != "numba":
+        return None
+    if _compiled is None:
+        with _compiled_lock:  # the reader's thread and the main one may both get here first
+            if _compiled is None:
+                _start_numba_target()
+                from . import jit
+
+                _compiled = jit
+    return _compiled
+
+
+_compiled_lock = threading.Lock()
+_BLAS_PROBE = "scipy.linalg.cython_blas"
+
+
+def _start_numba_target() -> None:
+    """Start numba's CPU target (its registries) now, without its BLAS probe.
+
+    When its target starts, numba imports scipy.linalg to learn whether BLAS is there for
+    np.dot and the like. No kernel here uses BLAS, and where scipy is installed that import
+    costs 0.2-0.3 s (it pulls in numpy.f2py and charset_normalizer; `python -X importtime`),
+    a third of numba's start. So while the target starts, importing the probe fails at once
+    (a None entry in sys.modules, removed right after). The one effect on other jitted code
+    in this process: numba's np.correlate and np.convolve use its own loop instead of BLAS;
+    np.dot still imports scipy's BLAS when it is compiled. Where scipy.linalg is loaded
+    already the probe costs nothing and nothing is changed."""
+    from numba.core.registry import cpu_target
+
+    block = _BLAS_PROBE not in sys.modules and "scipy.linalg" not in sys.modules
+    if block:
+        sys.modules[_BLAS_PROBE] = None
+    try:
+        cpu_target.typing_context.refresh()
+        cpu_target.target_context.refresh()
+    finally:
+        if block and _BLAS_PROBE in sys.modules and sys.modules[_BLAS_PROBE] is None:
+            del sys.modules[_BLAS_PROBE]
+
+
+def threads() -> int:
+    """Threads for the fused pass: MISMATCH_REPLAY_THREADS, else the usable cores."""
+    env = os.environ.get(_THREADS_ENV)
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def executor(n: int) -> ThreadPoolExecutor:
+    """The process's worker threads for the fused pass and m2po's steps (at least n)."""
+    global _pool, _pool_size
+    if _pool is None or _pool_size < n:
+        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="mismatch-replay")
+        _pool_size = n
+    return _pool
+
+
+def bin_scores(score: np.ndarray, thr_sorted: np.ndarray, inclusive: bool) -> np.ndarray:
+    """Bin j = number of thresholds the score exceeds (>= when inclusive); +inf -> K + 1.
+
+    The reference is `np.searchsorted` (the numpy backend); the fused backend indexes
+    directly (`make_binner`) and gives the same bins.
+    """
+    score = np.ascontiguousarray(score, dtype=np.float64)
+    k = thr_sorted.shape[0]
+    j = compiled()
+    if j is None or score.shape[0] < 4096:
+        if np.isnan(score).any():  # a rule must never produce NaN; fail loudly if one does
+            raise AssertionError("internal error: a rule produced NaN scores")
+        return reference_bins(score, thr_sorted, inclusive)
+    bn = make_binner(thr_sorted, inclusive)
+    out = np.empty(score.shape[0], dtype=np.int64)
+    if j.bin_array(score, k, bn.thr, bn.incl, bn.lut, bn.nl, bn.klo, bn.khi, bn.shift, out):
+        raise AssertionError("internal error: a rule produced NaN scores")
+    return out
+
+
+# ----------------------------------------------------------------------------- state
+
+N_SUMS = 15  # metrics.MetricSums._SUMS order
+N_MAXES = 2
+PAD = 16  # rows between threads' copies of the per-batch arrays (>= one 64-byte line)
+ACCUM_BUDGET = 512 << 20  # bytes of per-thread bins before fewer threads keep their own
+
+
+@dataclass
+class BatchOut:
+    """What one fused call returns for its batch (summed over threads)."""
+
+    smax: np.ndarray  # (m, U) max bin per batch sequence and slot (-1: none off windows)
+    flagged: list[tuple[int, np.ndarray]]  # (coordinate, token indices) for the simple path
+    msum: np.ndarray  # (G, 15)
+    mmax: np.ndarray  # (G, 2)
+    hist_lin: np.ndarray  # (bins * bins,)
+    hist_log: np.ndarray
+    # (m,) per sequence statistic the kernel accumulates, by its SEQ_STATS name (jit.SEQ_SUMS,
+    # SEQ_MAX, SEQ_MIN: n, sum_l, sum_k3, sum_exp_abs_l, sum_adv, max_k2, min_l; and mass)
+    seq: dict[str, np.ndarray]
+    seq_first: np.ndarray  # (m,) group of the sequence's first token in this batch
+    m2po_x: np.ndarray | None  # (n,) l^2
+    m2po_mass: np.ndarray | None  # (n,) |dp|
+
+
+def _ro(a, dtype) -> np.ndarray:
+    """A C-contiguous read-only view (one numba specialisation for every input)."""
+    a = np.ascontiguousarray(a, dtype=dtype).view()
+    a.flags.writeable = False
+    return a
+
+
+_E1 = np.zeros(1, np.float64)
+_E2 = np.zeros((1, 1), np.float64)
+_EI1 = np.zeros(1, np.int64)
+_EMPTY = np.iinfo(np.int64).max  # a sequence's lowest interval before it has one
+
+
+class Fused:
+    """Per-thread accumulators of one Tally's compiled jobs, and the per-batch call.
+
+    The accumulators are per (group, coordinate, class, interval): count, |dp| mass, 1/n
+    (prime-rl's per-sequence fractions) and, on l, the clamped ratio's sum, square sum and
+    max (the weight rules'). `take()` turns them into per-slot bins (Program.expand).
+    """
+
+    MIN_CHUNK = 1 << 15  # tokens per thread below which a batch is not split
+    CHUNKS_PER_THREAD = 4
+
+    def __init__(self, program: Program, seqfrac: bool, nthreads: int | None = None):
+        self.p = program
+        self.t = nthreads or threads()
+        self.seqfrac = seqfrac
+        self.gcap = 0
+        hw = max(program.hwidth, 1)
+        ww = hw if program.weights else 1
+        # count and |dp| mass side by side (a token's two additions share a cache line);
+        # counts as float64 are exact up to 2**53 tokens
+        self.cm = np.zeros((self.t, 0, hw, 2))
+        self.sfrac = np.zeros((self.t, 0, hw if seqfrac else 1))
+        self.wsum = np.zeros((self.t, 0, ww))
+        self.wsq = np.zeros_like(self.wsum)
+        self.wmax = np.full_like(self.wsum, -math.inf)
+        self.dirty = False
+        self.flagged_tokens = 0  # tokens sent to the simple path (inside a window)
+        self._scr: dict = {}  # per-thread block scratch of coord_pass
+        self._own: dict[str, np.ndarray] = {}  # per-batch arrays that never leave run()
+
+    def __getstate__(self):  # pickling (Ray): the scratch is rebuilt where it is used
+        state = self.__dict__.copy()
+        state["_scr"] = {}
+        state["_own"] = {}
+        return state
+
+    def _zeros(self, name: str, shape, dtype) -> np.ndarray:
+        """A zeroed array of this runner's own, reused batch after batch (a fresh array of
+        megabytes faults in every page on first touch). Only for arrays that run() reads
+        back before it returns: nothing it hands out refers to them."""
+        shape = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
+        size = math.prod(shape)
+        buf = self._own.get(name)
+        if buf is None or buf.dtype != dtype or buf.size < size:
+            buf = self._own[name] = np.empty(max(size, 1), dtype)
+        out = buf[:size].reshape(shape)
+        out.fill(0)
+        return out
+
+    def _reused(self, name: str, n: int) -> np.ndarray:
+        """A float64 array of this runner's own, not zeroed (the kernel writes every entry),
+        reused batch after batch: for outputs whose reader copies them before the next
+        run() (m2po's store does)."""
+        buf = self._own.get(name)
+        if buf is None or buf.size < n:
+            buf = self._own[name] = np.empty(max(n, 1))
+        return buf[:n]
+
+    def _scratch(self, t: int, nclamp: int) -> tuple[np.ndarray, ...]:
+        """Thread t's scratch rows for coord_pass (which allocates nothing itself): float64
+        and uint64 rows of a block, the uint64 rows it reads before writing zeroed."""
+        scr = self._scr
+        key = (t, nclamp)
+        if key not in scr:
+            from .jit import BLOCK, N_FSCRATCH, N_USCRATCH
+
+            c = max(nclamp, 1)
+            scr[key] = (
+                np.empty((N_FSCRATCH, BLOCK)),
+                np.empty((N_USCRATCH, BLOCK), np.uint64),
+                np.empty((c, BLOCK)),
+                np.empty((c, BLOCK)),
+            )
+        out = scr[key]
+        out[1][:] = 0
+        return out
+
+    def _grow(self, groups: int) -> None:
+        if groups <= self.gcap:
+            return
+        cap = max(groups, 2 * self.gcap, 1)
+        # Each thread's sums take groups x (classes x intervals) x ~16-40 bytes: with --by
+        # step on a long log and many cores that adds up, so past ACCUM_BUDGET fewer threads
+        # keep sums (the others' are folded into thread 0 first; counts do not change).
+        row = 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
+        keep = max(1, min(self.t, ACCUM_BUDGET // max(1, row * (cap + PAD))))
+        if keep < self.t:
+            for name in ("cm", "sfrac", "wsum", "wsq"):
+                getattr(self, name)[0] += getattr(self, name)[keep:].sum(axis=0)
+            np.maximum(self.wmax[0], self.wmax[keep:].max(axis=0), out=self.wmax[0])
+            for name in ("cm", "sfrac", "wsum", "wsq", "wmax"):
+                setattr(self, name, getattr(self, name)[:keep].copy())
+            self.t = keep
+
+        def grow(a, fill):  # PAD spare rows keep the threads' copies off each other's lines
+            new = np.full((a.shape[0], cap + PAD, *a.shape[2:]), fill, dtype=a.dtype)
+            new[:, : a.shape[1]] = a
+            return new
+
+        self.cm = grow(self.cm, 0.0)
+        self.sfrac = grow(self.sfrac, 0.0)
+        self.wsum = grow(self.wsum, 0.0)
+        self.wsq = grow(self.wsq, 0.0)
+        self.wmax = grow(self.wmax, -math.inf)
+        self.gcap = cap
+
+    def run(
+        self,
+        lp,
+        lq,
+        adv,
+        g,
+        groups: int,
+        seq_local,
+        n_seq: int,
+        inv_n,
+        entropy,
+        metrics: bool = True,
+        scatter: bool = True,
+        m2po: bool = False,
+        scatter_consts: tuple[float, float, float, float, int] = (0.0, 0.005, -8.0, 0.04, 200),
+        log_clamp: float = 20.0,
+    ) -> BatchOut:
+        j = compiled()
+        p = self.p
+        n = len(lp)
+        self._grow(groups)
+        self.dirty = True
+        has_seq = seq_local is not None
+        m = n_seq if has_seq else 1
+        nc = len(p.coords)
+        nt = max(1, min(self.t, n // self.MIN_CHUNK))
+        bins = scatter_consts[4]
+        # Per-thread copies are padded apart (PAD rows) so that two threads never write to
+        # the same cache line: false sharing on the metric sums cost 2x.
+        gm = groups if metrics else 1
+        sw = max(p.swidth, 1) if has_seq else 1
+        ms = m + PAD if has_seq else 1
+        smn = np.full((nt, ms, sw), _EMPTY, np.int64)
+        smx = np.full((nt, ms, sw), -1, np.int64)
+        tflag = self._zeros("tflag", n, np.uint32)
+        nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
+        msum = np.zeros((nt, gm + PAD, N_SUMS))
+        mmax = np.full((nt, gm + PAD, N_MAXES), -math.inf)
+        hl = self._zeros("hist_lin", (nt, bins * bins if scatter else 1), np.int64)
+        hg = self._zeros("hist_log", hl.shape, np.int64)
+        sq_sum = np.zeros((nt, m + PAD, j.N_SEQ_SUMS))
+        sq_mx = np.full((nt, m + PAD), -math.inf)
+        sq_mn = np.full((nt, m + PAD), math.inf)
+        # chunks taken by whichever thread is free (the reader and m2po's thread share the
+        # cores: fixed halves left one thread waiting for the other, ~20 ms a batch)
+        nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
+        sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
+        # m2po's inputs: the runner's own, overwritten next batch (the store copies them)
+        m2x = self._reused("m2po_x", n) if m2po else _E1
+        m2m = self._reused("m2po_mass", n) if m2po else _E1
+        flags = np.array(
+            [
+                adv is not None,
+                has_seq,
+                entropy is not None,
+                inv_n is not None and self.seqfrac,
+                metrics,
+                scatter,
+                m2po,
+                p.weights,
+            ],
+            dtype=np.int64,
+        )
+        consts = np.array([log_clamp, *scatter_consts[:4], math.log(10), bins], np.float64)
+        lp = _ro(lp, np.float64)
+        lq = _ro(lq, np.float64)
+        adv_a = _ro(adv, np.float64) if adv is not None else _ro(_E1, np.float64)
+        g = _ro(g, np.int64)
+        sl = _ro(seq_local, np.int64) if has_seq else _ro(_EI1, np.int64)
+        invn = _ro(inv_n, np.float64) if flags[3] else _ro(_E1, np.float64)
+        ent = _ro(entropy, np.float64) if entropy is not None else _ro(_E1, np.float64)
+        bounds = np.linspace(0, n, nch + 1).astype(np.int64)
+        chunks = itertools.count()  # next() is atomic under the GIL
+
+        def call(t: int) -> int:
+            err = 0
+            while (c := next(chunks)) < nch:
+                err |= chunk(t, c)
+            return err
+
+        def chunk(t: int, c: int) -> int:
+            return j.coord_pass(
+                bounds[c],
+                bounds[c + 1],
+                lp,
+                lq,
+                adv_a,
+                g,
+                sl,
+                invn,
+                ent,
+                flags,
+                p.ckind,
+                p.ccix,
+                p.cma,
+                p.cml,
+                p.ck,
+                p.ct0,
+                p.cl0,
+                p.cnl,
+                p.cklo,
+                p.ckhi,
+                p.cshift,
+                p.ctiny,
+                p.cnz,
+                p.cgap,
+                p.ckpos,
+                p.choff,
+                p.cm1,
+                p.csoff,
+                p.edges,
+                p.lut,
+                p.lflag,
+                p.clamps,
+                consts,
+                self.cm[t],
+                self.sfrac[t],
+                self.wsum[t],
+                self.wsq[t],
+                self.wmax[t],
+                smn[t],
+                smx[t],
+                tflag,
+                nflag[t],
+                msum[t],
+                mmax[t],
+                hl[t],
+                hg[t],
+                sq_sum[t],
+                sq_mx[t],
+                sq_mn[t],
+                sq_first[c],
+                m2x,
+                m2m,
+                *self._scratch(t, p.clamps.shape[0]),
+            )
+
+        if nt == 1:
+            errs = [call(0)]
+        else:
+            futs = [executor(nt - 1).submit(call, t) for t in range(1, nt)]
+            errs = [call(0)] + [f.result() for f in futs]
+        if any(errs):
+            raise AssertionError("internal error: a rule produced NaN scores")
+        first = sq_first[0, :m].copy()
+        for c in range(1, nch):  # the first token in input order: the lowest chunk wins
+            first = np.where(first < 0, sq_first[c, :m], first)
+        nf = nflag[:, :nc].sum(axis=0)
+        flagged = [(c, np.flatnonzero(tflag & np.uint32(1 << c))) for c in range(nc) if nf[c] > 0]
+        self.flagged_tokens += int(nf.sum())
+        if has_seq:
+            smax = p.seq_max(smn[:, :m].min(axis=0), smx[:, :m].max(axis=0))
+        else:
+            smax = np.full((1, max(p.n, 1)), -1, np.int64)
+        sums = sq_sum[:, :m].sum(axis=0)
+        seq = {name: sums[:, i] for i, name in enumerate(j.SEQ_SUMS)}
+        seq[j.SEQ_MAX] = sq_mx[:, :m].max(axis=0)
+        seq[j.SEQ_MIN] = sq_mn[:, :m].min(axis=0)
+        return BatchOut(
+            smax=smax,
+            flagged=flagged,
+            msum=msum[:, :gm].sum(axis=0),
+            mmax=mmax[:, :gm].max(axis=0),
+            hist_lin=hl.sum(axis=0),
+            hist_log=hg.sum(axis=0),
+            seq=seq,
+            seq_first=first,
+            m2po_x=m2x if m2po else None,
+            m2po_mass=m2m if m2po else None,
+        )
+
+    def take(self, groups: int) -> dict[str, np.ndarray]:
+        """Sum the threads' accumulators (first `groups` rows), reset them, and return
+        per-slot bins (Program.expand)."""
+        g = groups
+        cm = self.cm[:, :g].sum(axis=0)
+        h = {
+            "count": np.rint(cm[..., 0]).astype(np.int64),
+            "mass": np.ascontiguousarray(cm[..., 1]),
+            "wsum": self.wsum[:, :g].sum(axis=0),
+            "wsq": self.wsq[:, :g].sum(axis=0),
+            "wmax": self.wmax[:, :g].max(axis=0),
+        }
+        if self.seqfrac:
+            h["seqfrac"] = self.sfrac[:, :g].sum(axis=0)
+        self.cm[:] = 0.0
+        self.sfrac[:] = 0.0
+        self.wsum[:] = 0.0
+        self.wsq[:] = 0.0
+        self.wmax[:] = -math.inf
+        self.dirty = False
+        return self.p.expand(h, g)
+
+    def job_view(self, taken: dict[str, np.ndarray], slot: int) -> dict[str, np.ndarray]:
+        """One slot's (G, K + 2) columns of `take()`'s arrays."""
+        p = self.p
+        a, b = int(p.off[slot]), int(p.off[slot] + p.k[slot] + 2)
+        out = {"count": taken["count"][:, a:b], "mass": taken["mass"][:, a:b]}
+        if self.seqfrac and taken.get("seqfrac") is not None:
+            out["seqfrac"] = taken["seqfrac"][:, a:b]
+        if p.woff[slot] >= 0:
+            wa = int(p.woff[slot])
+            wb = wa + int(p.k[slot]) + 2
+            for k in ("wsum", "wsq", "wmax"):
+                out[k] = taken[k][:, wa:wb]
+        return out
+
+
+# ----------------------------------------------------------------------------- m2po
+
+
+_M2PO_SCRATCH = threading.local()
+
+
+def _m2po_scratch(n: int) -> tuple[np.ndarray, ...]:
+    """This thread's scratch for m2po_step, at least n long (steps reuse it: no fresh pages
+    per step)."""
+    have = getattr(_M2PO_SCRATCH, "arrays", None)
+    if have is None or have[0].shape[0] < n:
+        m = max(n, 1024)
+        have = _M2PO_SCRATCH.arrays = (
+            np.empty(m, np.int64),
+            np.empty(m),
+            np.empty(m),
+            np.empty(m, np.bool_),
+            np.empty(m + 1, np.int64),
+            np.empty(m, np.int64),
+        )
+    return have
+
+
+def m2po_step_bins(
+    x: np.ndarray,
+    g: np.ndarray,
+    mass: np.ndarray,
+    seq: np.ndarray,
+    inv_n: np.ndarray | None,
+    thr_sorted: np.ndarray,
+    groups: int,
+    n_seq: int,
+    out_count: np.ndarray,
+    out_mass: np.ndarray,
+    out_seqfrac: np.ndarray | None,
+    seq_bin: np.ndarray,
+    keep_last: bool = False,
+    precision: str = "float64",
+) -> None:
+    """Add one step's m2po bins: out_count/out_mass/out_seqfrac[g, bin], and
+    seq_bin[seq] = max(seq_bin[seq], bin). x = l^2 of the step's tokens in input order.
+
+    Rank m (0 = largest l^2, ties in input order) scores the mean l^2 of ranks m.. of the
+    step; masked iff score >= tau. Fused backend: `jit.m2po_step`; numpy backend:
+    a stable argsort (the reference). `keep_last` (m2po@areal): the last rank is never
+    masked (AReaL masks all but one token when no tail's mean is under tau).
+    `precision="float32"`: the suffix sums, counts and means in float32, as AReaL's torch
+    code runs them (a sequential float32 cumsum; a GPU scan adds in another order). Both
+    take the numpy path.
+    """
+    k = thr_sorted.shape[0]
+    n = x.shape[0]
+    if n == 0:
+        return
+    j = compiled() if not keep_last and precision == "float64" else None
+    if j is not None:
+        xs = np.sort(x)[::-1].copy()
+        thr = np.ascontiguousarray(thr_sorted, dtype=np.float64)
+        has_invn = inv_n is not None and out_seqfrac is not None
+        brank, suf, bval, btie, level, ties = _m2po_scratch(n)
+        x = _ro(x, np.float64)
+        tokens = (
+            _ro(g, np.int64),
+            _ro(mass, np.float64),
+            _ro(seq, np.int64),
+            _ro(inv_n, np.float64) if has_invn else _ro(_E1, np.float64),
+        )
+        outs = (out_count, out_mass, out_seqfrac if has_invn else _E2, seq_bin, has_invn)
+        nt = j.m2po_step(xs, x, *tokens, k, thr, *outs, brank, suf, bval, btie, level, ties)
+        if nt < 0:
+            raise AssertionError("internal error: m2po produced NaN scores")
+        if nt:  # ties split by a boundary: their input order decides (rare)
+            order = np.argsort(x[ties[:nt]], kind="stable")
+            j.m2po_ties(xs, x, ties[:nt], order, brank, *tokens, *outs)
+        return
+    order = np.argsort(-x, kind="stable")
+    xs = x[order]
+    if precision == "float32":
+        xs32 = xs.astype(np.float32)
+        suffix32 = np.cumsum(xs32[::-1], dtype=np.float32)[::-1]
+        score = (suffix32 / np.arange(n, 0, -1, dtype=np.float32)).astype(np.float64)
+    else:
+        suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
+        score = suffix / (n - np.arange(n))
+    if keep_last:
+        score[-1] = -math.inf
+    b = bin_scores(score, thr_sorted, True)
+    width = k + 2
+    gg = g[order]
+    idx = gg * width + b
+    size = out_count.shape[0] * width
+    out_count += np.bincount(idx, minlength=size).reshape(-1, width)
+    out_mass += np.bincount(idx, weights=mass[order], minlength=size).reshape(-1, width)
+    if out_seqfrac is not None and inv_n is not None:
+        out_seqfrac += np.bincount(idx, weights=inv_n[order], minlength=size).reshape(-1, width)
+    np.maximum.at(seq_bin, seq[order], b)

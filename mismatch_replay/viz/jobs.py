@@ -1,0 +1,211 @@
+"""Whole jobs built from the library's parts: the figures, the HTML report, the demo.
+
+Design
+------
+`plot`, `report` and `demo` are compositions: figure data (analysis.figure_data, four
+replays), the decisions, the inspect summary, then drawing (`render.render_all`) and page
+assembly (`report.write_report`, with `report.decision_html` as its Decision section).
+`report` takes figure data and decisions from `analysis.report_data`, which shares the
+passes (eight reads of the log with the inspect summary: the sweep, choose's refinement and
+bootstrap in one pass, per step, per bucket, both compares in one pass, and the by-length
+replay of masked_by_length.png, its pre-pass and itself, where the log has sequence ids),
+writes `sweep.csv` beside `index.html`, and drives one progress bar through every pass
+(`Stages`). A log without sequence ids gets no masked_by_length figure: `plot` warns
+(`FigureNote`), the report says so in the figure's place. They live here rather than in the
+CLI so that a notebook gets the same result with one call, and the CLI stays a thin
+formatter.
+
+Existing outputs are never overwritten without `force`: every check happens before the
+first pass over the log, so a refused call costs nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+
+from .. import analysis, engine, ingest
+from ..analysis.figure_data import NO_LENGTH_NOTE
+from ..errors import UsageError
+from ..ingest.inspect import inspect_log
+from ..output import atomic_write, ensure_dir, exists, to_json, write_table
+from . import report as page
+from .render import FIGURES, figures, render_all
+
+SAMPLE = "sample_drift.parquet"
+SWEEP_CSV = "sweep.csv"  # the report's sweep table, beside index.html
+REPORT_FILES = ("index.html", SWEEP_CSV)
+
+
+class FigureNote(UserWarning):
+    """A figure left out, and why (the CLI prints it as a note)."""
+
+
+def sample_path() -> Path:
+    """The bundled sample log (made by `mismatch-replay simulate`, see data/README.md)."""
+    return Path(str(resources.files("mismatch_replay") / "data" / SAMPLE))
+
+
+def _refuse_existing(outdir: Path, names: Sequence[str], force: bool) -> None:
+    exists(outdir)  # a name too long: one sentence, before any work
+    if force:
+        return
+    present = [n for n in names if exists(outdir / n)]
+    if present:
+        raise UsageError(
+            f"{outdir}: {', '.join(present)} already exist(s). Pass --force to overwrite, or "
+            "choose another -o directory."
+        )
+
+
+def plot(
+    sources: Sequence[str | Path],
+    outdir: str | Path,
+    settings: Sequence[str] | None = None,
+    fmt: str = "png",
+    target_fraction: float | None = None,
+    force: bool = False,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Path]:
+    """The figures of a log, written into outdir: name -> path of each written
+    (masked_by_length only where the log has sequence ids; a `FigureNote` otherwise)."""
+    outdir = Path(outdir)
+    if fmt not in ("png", "svg", "pdf"):
+        raise UsageError(f"--image-format {fmt}: use png, svg or pdf.")
+    _refuse_existing(outdir, [f"{n}.{fmt}" for n in FIGURES], force)
+    data = analysis.figure_data(sources, settings, options=options, progress=progress)
+    if data.by_length is None:
+        warnings.warn(NO_LENGTH_NOTE, FigureNote, stacklevel=2)
+    ensure_dir(outdir)
+    return render_all(data, outdir, fmt, target_fraction=target_fraction, force=force)
+
+
+def report(
+    sources: Sequence[str | Path],
+    outdir: str | Path,
+    command: str,
+    settings: Sequence[str] | None = None,
+    target_fraction: float = 0.0025,
+    bootstrap: int = 200,
+    force: bool = False,
+    options: ingest.ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    precision: str | None = None,
+    precision_threshold: float = analysis.PRECISION_THRESHOLD,
+    keep: dict | None = None,  # receives data, decisions, summary (W&B / TensorBoard)
+) -> Path:
+    """index.html with the figures, the tables, the Decision section and the command.
+
+    `precision="float32"`: the figures and tables replay the rules in the frameworks'
+    float32 arithmetic (engine.replay), and a "float32 vs float64" section gives a line for
+    every setting whose two masked fractions differ by more than `precision_threshold`."""
+    outdir = Path(outdir)
+    if precision is not None:
+        engine.check_precision(precision)
+    _refuse_existing(outdir, [*REPORT_FILES, *[f"{n}.png" for n in FIGURES]], force)
+    # inspect, report_data's 6 passes with a progress (the by-length pre-pass has none),
+    # the float32 check's 2, and drawing the figures
+    passes = 8 + (2 if precision == "float32" else 0)
+    bar = Stages(progress, passes)
+    summary = inspect_log(sources, options, progress=bar)
+    data, dec = analysis.report_data(
+        sources,
+        settings,
+        target_fraction,
+        bootstrap=bootstrap,
+        options=options,
+        progress=bar,
+        precision=precision,
+    )
+    sections = [("Decision", page.decision_html(dec))]
+    if precision == "float32":
+        check = analysis.precision_check(
+            sources, settings, precision_threshold, options=options, progress=bar
+        )
+        sections.append(page.precision_section(check))
+    if keep is not None:
+        keep.update(data=data, decisions=dec, summary=summary)
+    ensure_dir(outdir)
+    write_table(data.sweep, outdir / SWEEP_CSV, force=force)
+    return page.write_report(
+        data,
+        outdir,
+        command=command,
+        summary=summary.to_dict(),
+        force=force,
+        target_fraction=target_fraction,
+        sections=sections,
+        choices=dec.choose,
+        progress=bar.last_stage,
+    )
+
+
+class Stages:
+    """One progress bar over the several passes of a job: pass k's `(done, total)` is
+    reported as `((k * total + done) / passes, total)`, so the line fills once, left to
+    right, through every pass, and its count reads in rows of the log (the rate: the whole
+    job's). A pass starts when the count falls back; `passes` is the number expected (a job
+    that needs more stretches the bar as it goes)."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, passes: int):
+        self.progress = progress
+        self.passes = max(1, passes)
+        self.k = 0
+        self.last = 0
+        self.total = 0
+
+    def _report(self, done: float) -> None:
+        self.progress(min(int(done), self.total), self.total)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        if done < self.last:
+            self.k += 1
+        self.last = done
+        self.total = max(self.total, total, 1)
+        self.passes = max(self.passes, self.k + 2)  # the last stage is still to come
+        self._report((self.k * self.total + done) / self.passes)
+
+    def last_stage(self, done: int, total: int) -> None:
+        """The last stage (drawing the figures), `done` of `total` parts."""
+        if self.progress is None or not self.total:
+            return
+        start = (self.k + 1) / self.passes
+        self._report(self.total * (start + (1 - start) * done / max(total, 1)))
+
+
+def demo(
+    outdir: str | Path = "mismatch-replay-demo",
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Path]:
+    """inspect + sweep + figures + report on the bundled sample, into outdir."""
+    outdir = Path(outdir)
+    src = [sample_path()]
+    _refuse_existing(
+        outdir, ["inspect.json", "sweep.csv", "index.html", *[f"{n}.png" for n in FIGURES]], force
+    )
+    ensure_dir(outdir)
+    summary = inspect_log(src, progress=progress)
+    inspect_json = atomic_write(
+        outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
+    )
+    keep: dict = {}
+    index = report(
+        src,
+        outdir,
+        command=f"mismatch-replay demo -o {outdir}",
+        force=force,
+        progress=progress,
+        keep=keep,
+    )
+    out = {"inspect": inspect_json, "sweep": outdir / SWEEP_CSV, "report": index}
+    out |= {n: outdir / f"{n}.png" for n in figures(keep["data"])}
+    return out
+
+
+__all__ = ["FIGURES", "FigureNote", "demo", "plot", "report", "sample_path"]

@@ -1,0 +1,110 @@
+"""The figures of a log as files: which figures, built how, written where.
+
+Design
+------
+FIGURES names the five figures a report and `plot` write (scatter, masked_fraction, steps,
+where_masked, masked_by_length); `figures(data)` maps each name the data can draw to a
+function that builds it from one FigureData (the headline scatter's boundaries come from the
+chosen settings: `scatter_kwargs`; masked_by_length needs `data.by_length`, absent where the
+log has no sequence ids, and a note says so). `render_all` checks the format and every
+target before drawing anything (an existing file is refused unless `force`), then builds and
+writes the figures one at a time, so at most one Figure is alive. `save` writes one figure
+through `output.atomic_write` (a hidden temporary file in the same folder, then an exclusive
+publish unless `force`) with fixed metadata: no creation date in SVG or PDF, the version in
+PNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from matplotlib.figure import Figure
+
+from .. import __version__
+from ..errors import UsageError
+from ..output import atomic_write, ensure_dir
+from .curves import masked_fraction
+from .groups import masked_by_length, steps, where_masked
+from .plane import scatter_panels
+
+if TYPE_CHECKING:
+    from ..analysis import FigureData
+
+FIGURES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
+FORMATS = ("png", "svg", "pdf")
+
+
+def scatter_kwargs(data: FigureData) -> dict:
+    """The headline scatter's boundaries from the chosen settings: the first IPO eps and the
+    first IcePop band (the IPO docs' figure: eps 0.3 and [0.2, 5] by default)."""
+    ipo = [float(r.eps) for r in data.settings if r.name == "ipo" and r.eps is not None]
+    ice = [
+        (float(r.low or 0.0), float(r.high))
+        for r in data.settings
+        if r.name == "icepop" and r.high is not None
+    ]
+    return {"ipo_eps": tuple(ipo[:1]) or (0.3,), "icepop": tuple(ice[:1]) or ((0.2, 5.0),)}
+
+
+def figures(data: FigureData, target_fraction: float | None = None) -> dict[str, Callable]:
+    """name -> a function that builds that figure (what `render_all` writes), in FIGURES
+    order; masked_by_length only where the data has its by-length table."""
+    out = {
+        "scatter": lambda: scatter_panels(data, **scatter_kwargs(data)),
+        "masked_fraction": lambda: masked_fraction(data.sweep, target_fraction=target_fraction),
+        "steps": lambda: steps(data),
+        "where_masked": lambda: where_masked(data),
+    }
+    if getattr(data, "by_length", None) is not None:
+        out["masked_by_length"] = lambda: masked_by_length(data.by_length)
+    return out
+
+
+def save(fig: Figure, path: Path, fmt: str, dpi: int = 150, force: bool = True) -> Path:
+    """Write a figure atomically (output.atomic_write: a hidden temporary file in the same
+    folder, then an exclusive publish unless force)."""
+    meta = {
+        "png": {"Software": f"mismatch-replay {__version__}"},
+        "svg": {"Date": None},
+        "pdf": {"CreationDate": None},
+    }[fmt]
+    return atomic_write(
+        Path(path), lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, metadata=meta), force
+    )
+
+
+def render_all(
+    data: FigureData,
+    outdir: Path,
+    fmt: str = "png",
+    target_fraction: float | None = None,
+    force: bool = False,
+    dpi: int = 150,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Path]:
+    """Write scatter, masked_fraction, steps, where_masked and (where the log has sequence
+    ids) masked_by_length (.png/.svg/.pdf) into outdir; returns name -> path of each written.
+
+    Refuses (before writing anything) if any of the files exists, unless `force`.
+    `progress(done, total)` is called after each figure.
+    """
+    fmt = fmt.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise UsageError(f"figure format '{fmt}': use one of {', '.join(FORMATS)}.")
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise UsageError(f"-o {outdir}: that is a file; give a directory for the figures.")
+    builds = figures(data, target_fraction)
+    targets = {name: outdir / f"{name}.{fmt}" for name in builds}
+    existing = [p for p in targets.values() if p.exists()]
+    if existing and not force:
+        more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
+        raise UsageError(f"{existing[0]}: the file exists{more}; pass --force to overwrite it.")
+    ensure_dir(outdir)
+    for i, (name, build) in enumerate(builds.items()):
+        save(build(), targets[name], fmt, dpi, force=force)
+        if progress is not None:
+            progress(i + 1, len(builds))
+    return targets

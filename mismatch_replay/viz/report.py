@@ -1,0 +1,661 @@
+"""One self-contained HTML report: the figures, the tables, the Decision and the command.
+
+Design
+------
+`write_report` renders the figures with `render.render_all` (PNG files next to the page;
+masked_by_length only where the log has sequence ids, a line in its place otherwise) and
+embeds the same bytes in `index.html` as base64 data URIs, so the page alone is enough to
+attach to a PR or an issue (~0.5-1 MB for the five figures at 150 dpi). Plain HTML
+with inline CSS: no scripts, no external fonts or style sheets. Every piece of text that
+comes from data, the command line or the catalogue goes through `html.escape`; the page is
+written through `output.atomic_write`. `render_html` builds the page as a string from what
+is already computed, so a caller may embed other images or none.
+
+The tables:
+* the chosen settings, exactly (`settings_table`): the per-step table summed over steps
+  (counts add; sequences are keyed by (step, sample_id), so masked sequences add too);
+* what `choose` chose, with the masked fraction at the grid values around each choice;
+* the compact sweep: every rule at each of its presets (`tables.preset_points`), exact where
+  the preset is a grid point of the sweep, marked "≈" where it falls between two;
+* the inspect-style summary and the mismatch metrics with the names frameworks log them under;
+* the rule catalogue's defaults and presets.
+
+Extra sections are passed as `sections=[(title, html)]` and placed right after the summary,
+where a reader looks first: the "Decision" (`decision_html`, from `analysis.decisions()`:
+which threshold, which rule, did the run drift, each a small table and one sentence) and
+the float32 check (`precision_section`). The Decision rounds its numbers for reading
+(4 significant digits); the JSON of `--json` keeps the full precision.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import polars as pl
+
+from .. import __version__
+from ..errors import UsageError
+from ..metrics import NAMES
+from ..output import atomic_write
+from ..rules import catalogue_records, parse_rule
+from . import render
+from .style import display_name, spec_label
+from .tables import preset_points
+
+if TYPE_CHECKING:
+    from ..analysis import (
+        Choice,
+        CompareResult,
+        Decisions,
+        DriftResult,
+        FigureData,
+        PrecisionResult,
+    )
+
+INDEX = "index.html"
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
+       max-width: 1280px; margin: 2em auto; padding: 0 1.5em; line-height: 1.45; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ddd; padding-bottom: 0.2em; }
+.meta { color: #555; font-size: 0.92em; }
+table { border-collapse: collapse; font-size: 0.86em; margin: 0.6em 0 1em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+div.curve { display: inline-block; vertical-align: top; margin-right: 1.5em; }
+div.curve h3 { font-size: 0.95em; margin-bottom: 0.2em; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+tr:nth-child(even) td { background: #fafafa; }
+figure { margin: 1em 0 2em; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #444; font-size: 0.9em; max-width: 60em; }
+pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.9em; }
+.note { color: #555; font-size: 0.88em; }
+section.extra { border-left: 4px solid #0072B2; padding-left: 1em; }
+"""
+
+_CAPTIONS = {
+    "scatter": (
+        "Sampled tokens by inference (sampler) probability q and trainer probability p, as a "
+        "density (tokens per bin, log colour scale); left on linear axes, right on log-log axes "
+        "where rare tokens are visible. Lines: the IPO band p = q ± eps (masked outside, "
+        "same width in probability everywhere) and the IcePop ratio cone p = low·q, p = high·q "
+        "(straight lines on log-log axes: narrow near zero, wide near one)."
+    ),
+    "masked_fraction": (
+        "Fraction of tokens masked (weight rules: truncated) as a function of each rule's "
+        "threshold, one panel per parameter family. Markers: the rules' presets."
+    ),
+    "steps": (
+        "Per trainer step: the mismatch KL (k3 token mean, prime-rl's mismatch_kl/all/mean) "
+        "and each chosen setting's masked fraction. Drift shows as both rising."
+    ),
+    "where_masked": (
+        "Masked fraction per inference-probability bucket for each chosen setting: a ratio "
+        "band masks rare tokens, a probability band likely ones."
+    ),
+    "masked_by_length": (
+        "Masked fraction per sequence-length bucket: a product-ratio mask (seq-MIS) tightens "
+        "as sequences grow, a geometric-mean one (geo-MIS) does not; IcePop for reference."
+    ),
+}
+_TITLES = {
+    "scatter": "Trainer vs inference probability",
+    "masked_fraction": "Masked fraction vs threshold",
+    "steps": "Per step",
+    "where_masked": "Where each setting masks",
+    "masked_by_length": "Masked fraction by sequence length",
+}
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _e(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _num(v, digits: int = 4) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return "—"
+        if v == int(v) and abs(v) < 1e15:
+            return f"{int(v):,}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _pct(f) -> str:
+    if f is None or f != f:
+        return "—"
+    if f == 0:
+        return "0"
+    return f"{100 * f:.3g}%"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence], numeric: Sequence[int] = ()) -> str:
+    """An HTML table; every cell escaped. `numeric`: column indexes aligned right."""
+    num = set(numeric)
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="num">{_e(c)}</td>' if i in num else f"<td>{_e(c)}</td>"
+            for i, c in enumerate(row)
+        )
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def settings_table(data: FigureData) -> pl.DataFrame:
+    """The chosen settings over the whole log, exactly: the per-step rows summed over steps."""
+    t = data.steps
+    if t.height == 0:
+        return t
+    total_mass = (data.metrics.get("abs_dp_mean") or 0.0) * data.tokens
+    agg = (
+        t.group_by(["spec", "rule", "kind", "level"], maintain_order=True)
+        .agg(
+            pl.col("tokens", "masked_tokens", "truncated_tokens", "masked_mass").sum(),
+            pl.col("sequences").sum().alias("sequences"),
+            pl.col("masked_sequences").sum().alias("masked_sequences"),
+            pl.col("sequences").is_null().any().alias("_noseq"),
+        )
+        .with_columns(
+            masked_fraction=pl.col("masked_tokens") / pl.col("tokens"),
+            truncated_fraction=pl.col("truncated_tokens") / pl.col("tokens"),
+            masked_sequence_fraction=pl.when(~pl.col("_noseq") & (pl.col("sequences") > 0)).then(
+                pl.col("masked_sequences") / pl.col("sequences")
+            ),
+            masked_mass_fraction=(
+                pl.col("masked_mass") / total_mass if total_mass > 0 else pl.lit(None)
+            ),
+        )
+    )
+    return agg.with_columns(
+        pl.when(~pl.col("_noseq")).then(pl.col("sequences")).alias("sequences"),
+        pl.when(~pl.col("_noseq")).then(pl.col("masked_sequences")).alias("masked_sequences"),
+    ).drop("_noseq")
+
+
+def _settings_html(data: FigureData) -> str:
+    t = settings_table(data)
+    if t.height == 0:
+        return '<p class="note">No settings were chosen.</p>'
+    rows = []
+    for r in t.iter_rows(named=True):
+        weight = r["kind"] == "weight"
+        seqs = (
+            f"{_num(r['masked_sequences'])} / {_num(r['sequences'])} "
+            f"({_pct(r['masked_sequence_fraction'])})"
+            if r["sequences"] is not None
+            else "—"
+        )
+        rows.append(
+            [
+                spec_label(r["spec"]),
+                r["spec"],
+                _num(r["tokens"]),
+                _num(r["truncated_tokens" if weight else "masked_tokens"]),
+                _pct(r["truncated_fraction" if weight else "masked_fraction"])
+                + (" truncated" if weight else ""),
+                seqs,
+                _pct(r["masked_mass_fraction"]) if not weight else "—",
+            ]
+        )
+    headers = [
+        "setting",
+        "spec",
+        "tokens",
+        "masked tokens",
+        "masked fraction",
+        "sequences with a masked token",
+        "share of |p−q| mass masked",
+    ]
+    return _table(headers, rows, numeric=(2, 3, 4, 6))
+
+
+def _choices_html(choices: Sequence[Choice], target_fraction: float | None) -> str:
+    """What `choose` chose (the Decision section's thresholds), then per rule the exact
+    masked fraction at the default grid values around the chosen one."""
+    if not choices:
+        return '<p class="note">No threshold was chosen.</p>'
+    rows = []
+    for c in choices:
+        ci = "—"
+        if c.ci_low is not None:  # enough digits to tell the two ends apart
+            d = next((d for d in range(4, 9) if _num(c.ci_low, d) != _num(c.ci_high, d)), 4)
+            ci = f"{_num(c.ci_low, d)} – {_num(c.ci_high, d)}"
+        status = c.status + (f" ({c.note})" if c.note else "")
+        rows.append(
+            [
+                c.spec,
+                f"{c.param}={_num(c.value)}",
+                ci,
+                _num(c.masked_tokens),
+                _pct(c.masked_fraction),
+                status,
+            ]
+        )
+    headers = ["setting", "chosen", "95% bootstrap interval", "masked tokens", "masked", "status"]
+    out = _table(headers, rows, numeric=(3, 4))
+    curves = [c for c in choices if c.curve]
+    if curves:
+        out += (
+            '<p class="note">Masked fraction against the threshold around each choice: the '
+            "default grid's values nearest the chosen one and the chosen value (bold), exact "
+            "counts on these tokens.</p>"
+        )
+    for c in curves:
+        label = f"{display_name(c.rule)}: {c.param}" + (
+            f" ({c.setting.replace(',', ', ')})" if c.setting else ""
+        )
+        head = "".join(f"<th>{_e(h)}</th>" for h in (c.param, "masked tokens", "masked"))
+        body = []
+        for pt in c.curve:
+            cells = [_num(pt.value), _num(pt.masked_tokens), _pct(pt.masked_fraction)]
+            tds = "".join(f'<td class="num">{_e(x)}</td>' for x in cells)
+            style = ' style="font-weight:bold"' if pt.chosen else ""
+            body.append(f"<tr{style}>{tds}</tr>")
+        out += (
+            f'<div class="curve"><h3>{_e(label)}</h3><table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table></div>"
+        )
+    return out
+
+
+def _spec_of(rule: str, setting: str, param: str, value: float) -> str | None:
+    try:
+        extra = f"{setting}," if setting else ""
+        return parse_rule(f"{rule}:{extra}{param}={value!r}").spec()
+    except Exception:  # a rule this version cannot rebuild: no exact value to look up
+        return None
+
+
+def _presets_html(data: FigureData) -> str:
+    pts = preset_points(data.sweep)
+    if pts.height == 0:
+        return '<p class="note">No preset lies on the swept grids.</p>'
+    chosen = settings_table(data)
+    exact: dict[str, float] = {}
+    for r in chosen.iter_rows(named=True) if chosen.height else ():
+        exact[r["spec"]] = r["truncated_fraction" if r["kind"] == "weight" else "masked_fraction"]
+    rows = []
+    for r in pts.iter_rows(named=True):
+        spec = _spec_of(r["rule"], r["setting"], r["param"], r["value"])
+        if not r["exact"] and spec in exact:  # a chosen setting: its exact value is known
+            r["fraction"], r["exact"] = exact[spec], True
+        frac = _pct(r["fraction"])
+        rows.append(
+            [
+                display_name(r["rule"]),
+                r["presets"],
+                f"{r['param']}={_num(r['value'])}",
+                r["setting"].replace(",", ", ") or "—",
+                frac if r["exact"] else f"≈ {frac}",
+                "truncated" if r["kind"] == "weight" else "masked",
+            ]
+        )
+    note = (
+        '<p class="note">Every rule of the sweep at its presets (or its default). Values '
+        "marked ≈ lie between two grid points of the sweep and are interpolated; masked "
+        "fractions are monotone in a threshold, so the exact value lies between its "
+        "neighbours (the chosen settings are exact).</p>"
+    )
+    headers = ["rule", "preset(s)", "swept parameter", "other parameters", "fraction", ""]
+    return note + _table(headers, rows, numeric=(4,))
+
+
+def _summary_html(data: FigureData, summary: dict | None) -> str:
+    steps = data.step_metrics.height
+    seq = None
+    if data.steps.height and "sequences" in data.steps.columns:
+        first = data.steps.filter(pl.col("spec") == data.steps["spec"][0])
+        if first["sequences"].null_count() == 0:
+            seq = int(first["sequences"].sum())
+    facts: dict[str, str] = {
+        "sources": ", ".join(data.sources) or "—",
+        "loss tokens": _num(data.tokens),
+        "steps": _num(steps),
+        "sequences": _num(seq),
+    }
+    if summary:  # an inspect summary (Summary.to_dict()) adds what ingest saw
+        known = {
+            "files": "sources",
+            "layout": "layout",
+            "rows": "rows read",
+            "loss_tokens": "loss tokens",
+            "steps": "steps",
+            "sequences": "sequences",
+            "invalid_rows": "invalid rows",
+        }
+        for key, label in known.items():
+            v = summary.get(key)
+            if v is not None:
+                facts[label] = ", ".join(map(str, v)) if isinstance(v, list) else _num(v)
+        if summary.get("invalid"):
+            facts["invalid rows by file and column"] = "; ".join(
+                f"{k}: {_num(v)}" for k, v in summary["invalid"].items()
+            )
+        if summary.get("source"):
+            facts["columns read"] = ", ".join(f"{k} ← {v}" for k, v in summary["source"].items())
+    out = _table(["", "value"], list(facts.items()))
+    metrics = dict(data.metrics)
+    if summary and isinstance(summary.get("metrics"), dict):
+        metrics.update({k: v for k, v in summary["metrics"].items() if v is not None})
+    rows = []
+    for key, value in metrics.items():
+        if key == "tokens":
+            continue
+        framework, doc = NAMES.get(key, ("", ""))
+        rows.append([key, _num(value), framework or "—", doc])
+    out += "<h3>Mismatch metrics (all loss tokens)</h3>"
+    out += _table(["metric", "value", "framework name", "definition"], rows, numeric=(1,))
+    return out
+
+
+def _catalogue_html() -> str:
+    rows = []
+    for rec in catalogue_records():
+        defaults = ", ".join(
+            f"{p['name']}={_num(p['default'])}" for p in rec["params"] if p["default"] is not None
+        )
+        presets = "; ".join(
+            f"{name}: " + ", ".join(f"{k}={_num(v)}" for k, v in vals.items())
+            for name, vals in rec["presets"].items()
+        )
+        needs = ", ".join(rec["needs"]) or "—"
+        rows.append(
+            [
+                rec["name"],
+                f"{rec['level']} {rec['kind']}",
+                rec["definition"],
+                defaults or "— (user sets)",
+                presets or "—",
+                needs,
+                rec["source"],
+            ]
+        )
+    headers = ["rule", "level / kind", "masked when", "defaults", "presets", "needs", "source"]
+    return _table(headers, rows)
+
+
+# ----------------------------------------------------------------------------- page
+
+
+def _atomic_text(path: Path, text: str, force: bool = True) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), force)
+
+
+def precision_section(check: PrecisionResult) -> tuple[str, str]:
+    """`analysis.precision_check`'s result as an extra report section (write_report's
+    `sections`): a line per rule whose float32 and float64 masked fractions differ by more
+    than the threshold, then the table of both."""
+    rows = [
+        [
+            r.spec,
+            _num(r.tokens),
+            _num(r.masked_float64),
+            _num(r.masked_float32),
+            _pct(r.fraction_float64),
+            _pct(r.fraction_float32),
+        ]
+        for r in check.rows
+    ]
+    lines = check.lines or [
+        f"float32 and float64 agree within {_pct(check.threshold)} for every rule replayed."
+    ]
+    body = "".join(f'<p class="note">{_e(line)}</p>' for line in lines)
+    headers = ["rule", "tokens", "masked, float64", "masked, float32", "float64", "float32"]
+    return "float32 vs float64", body + _table(headers, rows, numeric=(1, 2, 3, 4, 5))
+
+
+def render_html(
+    data: FigureData,
+    images: dict[str, bytes],
+    *,
+    command: str,
+    summary: dict | None = None,
+    target_fraction: float | None = None,
+    sections: Sequence[tuple[str, str]] = (),
+    date: str | None = None,
+    choices: Sequence[Choice] | None = None,
+) -> str:
+    """The page as a string. `images`: figure name -> PNG bytes (embedded as data URIs);
+    `sections`: extra (title, trusted HTML) sections placed after the summary; `choices`:
+    `analysis.choose` rows (with `curve=True`), listed under "Chosen settings" (the plotted
+    settings then follow under their own title)."""
+    date = date or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>mismatch-replay report: {_e(', '.join(data.sources) or 'log')}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>mismatch-replay report</h1>",
+        f'<p class="meta">{_e(_num(data.tokens))} loss tokens from '
+        f"{_e(', '.join(data.sources) or 'the log')} · mismatch-replay {_e(__version__)} · "
+        f"{_e(date)}</p>",
+        "<h2>Summary</h2>",
+        _summary_html(data, summary),
+        "<!-- extra sections (e.g. Decision): write_report(..., sections=[(title, html)]) -->",
+    ]
+    for title, body in sections:
+        parts.append(f'<section class="extra"><h2>{_e(title)}</h2>{body}</section>')
+    parts.append("<h2>Chosen settings</h2>")
+    if target_fraction is not None:
+        parts.append(
+            f'<p class="note">Target masked fraction: {_e(_pct(target_fraction))} '
+            "(dashed line in the masked-fraction figure).</p>"
+        )
+    if choices is not None:
+        parts.append(_choices_html(choices, target_fraction))
+        parts.append("<h2>Plotted settings</h2>")
+        parts.append(
+            '<p class="note">The settings the figures draw (presets), over the whole log.</p>'
+        )
+    parts.append(_settings_html(data))
+    for name in render.FIGURES:
+        if name not in images:
+            if name == "masked_by_length" and getattr(data, "by_length", 0) is None:
+                parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
+                parts.append(
+                    '<p class="note">Not drawn: the log has no sequence ids (sample_id) to '
+                    "bucket sequences by length; map one with --map sample_id=COLUMN.</p>"
+                )
+            continue
+        uri = base64.b64encode(images[name]).decode("ascii")
+        parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
+        parts.append(
+            f'<figure><img alt="{_e(_TITLES[name])}" src="data:image/png;base64,{uri}">'
+            f"<figcaption>{_e(_CAPTIONS[name])}</figcaption></figure>"
+        )
+    parts.append("<h2>Every rule at its presets</h2>")
+    parts.append(_presets_html(data))
+    parts.append("<h2>Rule catalogue: defaults and presets</h2>")
+    parts.append(_catalogue_html())
+    if data.notes:
+        parts.append("<h2>Notes</h2><ul>")
+        parts.extend(f"<li>{_e(n)}</li>" for n in data.notes)
+        parts.append("</ul>")
+    parts.append("<h2>Reproduce</h2>")
+    parts.append(f"<pre>{_e(command)}</pre>")
+    parts.append(
+        f'<p class="meta">mismatch-replay {_e(__version__)} · generated {_e(date)}</p>'
+        "</body></html>"
+    )
+    return "\n".join(parts) + "\n"
+
+
+def write_report(
+    data: FigureData,
+    outdir: Path,
+    *,
+    command: str,
+    summary: dict | None = None,
+    force: bool = False,
+    target_fraction: float | None = None,
+    sections: Sequence[tuple[str, str]] = (),
+    dpi: int = 150,
+    choices: Sequence[Choice] | None = None,
+    progress=None,
+) -> Path:
+    """Write outdir/index.html and the figure PNGs next to it; return the page's path.
+
+    `command`: the exact command line that produced the report (shown verbatim, escaped).
+    `summary`: an inspect summary (`Summary.to_dict()`), optional. `sections`: extra
+    (title, HTML) sections, e.g. a "Decision"; their HTML is trusted, their titles escaped.
+    `dpi`: of the PNGs (150: ~1 MB for the page). Refuses to overwrite index.html or a figure
+    unless `force`. `choices`: see `render_html`; `progress(done, total)`: per figure drawn.
+    """
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise UsageError(f"-o {outdir}: that is a file; give a directory for the report.")
+    index = outdir / INDEX
+    if index.exists() and not force:
+        raise UsageError(f"{index}: the file exists; pass --force to overwrite it.")
+    extra = {"progress": progress} if progress is not None else {}
+    paths = render.render_all(
+        data, outdir, "png", target_fraction=target_fraction, force=force, dpi=dpi, **extra
+    )
+    images = {name: p.read_bytes() for name, p in paths.items()}
+    page = render_html(
+        data,
+        images,
+        command=command,
+        summary=summary,
+        target_fraction=target_fraction,
+        sections=sections,
+        choices=choices,
+    )
+    _atomic_text(index, page, force)
+    return index
+
+
+# ----------------------------------------------------------------------------- Decision
+# The "Decision" section from `analysis.decisions()`: three small tables with one sentence
+# of reading each (which eps, which rule, did the run drift?). Its numbers are rounded for
+# reading (4 significant digits, "–" when absent); the JSON of `--json` keeps full precision.
+
+
+def _dnum(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if v == 0:
+        return "0"
+    return f"{v:.4g}"
+
+
+def _dpct(v) -> str:
+    return "–" if v is None else f"{100 * v:.3g}%"
+
+
+def _dtable(headers, rows) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _choose(d: Decisions) -> str:
+    t = d.target_fraction
+    rows = []
+    for r in d.choose:
+        label = r.rule + (f" [{r.setting}]" if r.setting else "")
+        ci = "–" if r.ci_low is None else f"{_dnum(r.ci_low)} – {_dnum(r.ci_high)}"
+        status = r.status + (f" ({r.note})" if r.note else "")
+        rows.append([label, r.param, _dnum(r.value), ci, _dpct(r.masked_fraction), status])
+    return (
+        f"<h3>Which threshold masks {_e(_dpct(t))} of the tokens?</h3>"
+        + _dtable(
+            ["rule [fixed]", "param", "value", "95% bootstrap interval", "masked", "status"], rows
+        )
+        + "<p>The interval is how much the answer would move on another log of the same run "
+        "(Poisson bootstrap over sequences, or steps when the log has no sequence ids).</p>"
+    )
+
+
+def _compare(c: CompareResult, title: str) -> str:
+    names = {"both": "masked by both", "only_a": "only A", "only_b": "only B", "neither": "neither"}
+    rows = [
+        [
+            label,
+            _dnum(c.cells[k].tokens),
+            _dpct(c.cells[k].fraction),
+            _dnum(c.cells[k].mean_q),
+            _dnum(c.cells[k].mean_p),
+            _dnum(c.cells[k].mass),
+        ]
+        for k, label in names.items()
+    ]
+    a, b = c.cells["only_a"], c.cells["only_b"]
+    reading = (
+        f"A masks {_dnum(a.tokens)} tokens that B keeps (mean inference probability "
+        f"{_dnum(a.mean_q)}, |p−q| mass {_dnum(a.mass)}); B masks {_dnum(b.tokens)} "
+        f"that A keeps (mean inference probability {_dnum(b.mean_q)}, "
+        f"mass {_dnum(b.mass)}). "
+        f"Jaccard overlap {_dnum(c.jaccard)}."
+    )
+    return (
+        f"<h3>{_e(title)}</h3><p>A = <code>{_e(c.rule_a)}</code>, "
+        f"B = <code>{_e(c.rule_b)}</code></p>"
+        + _dtable(
+            ["", "tokens", "fraction", "mean q (inference)", "mean p (trainer)", "|p−q| mass"], rows
+        )
+        + f"<p>{_e(reading)}</p>"
+    )
+
+
+def _drift(d: DriftResult | None, note: str | None) -> str:
+    if d is None:
+        return f"<h3>Did the run drift?</h3><p>{_e(note or 'not computed')}</p>"
+    flagged = ", ".join(map(str, d.flagged_steps)) or "none"
+    spikes = ", ".join(map(str, d.spike_steps)) or "none"
+    rows = [
+        [
+            v.rule,
+            _dpct(v.baseline_fraction),
+            _dpct(v.drift_fraction),
+            _dnum(v.ratio),
+            v.verdict,
+        ]
+        for v in d.rules
+    ]
+    return (
+        "<h3>Did the run drift?</h3>"
+        f"<p>Baseline: steps {_e(d.baseline_steps[0])}–{_e(d.baseline_steps[-1])}; "
+        f"a step departs when its {_e(d.statistic)} exceeds the baseline "
+        f"{_e(d.factor)}×, and {_e(d.min_run)} departing steps in a row are drift. "
+        f"Drift: {_e(flagged)}. Lone spikes (a handful of extreme tokens): {_e(spikes)}.</p>"
+        + _dtable(["rule", "masked, baseline", "masked, drift steps", "ratio", "verdict"], rows)
+    )
+
+
+def decision_html(d: Decisions) -> str:
+    """The Decision section's HTML from `analysis.decisions()` (or `report_data`)."""
+    return (
+        _choose(d)
+        + _compare(d.compare, "IPO and IcePop at their prime-rl defaults")
+        + _compare(
+            d.compare_budget,
+            f"At an equal budget ({_dpct(d.target_fraction)} of tokens each): which tokens "
+            "does each rule choose?",
+        )
+        + _drift(d.drift, d.drift_note)
+    )

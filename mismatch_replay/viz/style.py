@@ -1,0 +1,162 @@
+"""What every figure shares: the palette, a rule's colour and name, font sizes, small helpers.
+
+Design
+------
+A rule's look comes from the rule itself: its class declares `label` (the name figures
+print: "IPO", "IcePop"; its registry name when it sets none) and `color` (None: a colour of
+the spare palette, picked from its name so that it is the same in every figure and every
+run). `rule_color(name, colors)` resolves one colour in that order: the caller's `colors`
+(rule name -> colour, as rliable's plots take it), the rule's own, the spare palette. The
+palettes are Okabe & Ito (2008) and Paul Tol's "muted" set, both distinguishable under the
+common colour-vision deficiencies; the built-in rules use their hex values directly
+(rules/ is below viz/ and imports nothing from it).
+
+The rest is shared drawing plumbing, public so that the figure modules (plane, curves,
+groups) take it from one place: three font sizes (LABEL, SMALL, NOTE points), four line
+styles (a second setting of a rule changes the style, never the colour), `fig_ax` (a new
+Figure, never pyplot, or the caller's Axes), `draw_line` (drops non-finite points: no NaN
+reaches matplotlib), `light_log_ticks`, and the settings helpers `settings_of` /
+`style_for` over the chosen settings' grouped tables. Labels of SPECs (`spec_label`) name
+the catalogue presets a setting equals ("IPO eps=0.3 (prime-rl)").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import polars as pl
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import LogLocator, NullFormatter
+
+from ..rules import REGISTRY, Rule, parse_rule
+
+OKABE_ITO = {
+    "black": "#000000",
+    "orange": "#E69F00",
+    "sky_blue": "#56B4E9",
+    "bluish_green": "#009E73",
+    "yellow": "#F0E442",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "reddish_purple": "#CC79A7",
+}
+TOL_MUTED = {
+    "indigo": "#332288",
+    "teal": "#44AA99",
+    "green": "#117733",
+    "olive": "#999933",
+    "rose": "#CC6677",
+    "wine": "#882255",
+    "purple": "#AA4499",
+    "grey": "#777777",
+}
+SPARE = tuple(TOL_MUTED.values())  # rules that declare no colour get one of these
+
+STYLES = ("-", "--", ":", "-.")  # the k-th setting of one rule: STYLES[k % 4]
+LABEL = 10  # font sizes (points): axis labels, ticks/legends, notes
+SMALL = 8.5
+NOTE = 7.5
+
+
+def rule_color(name: str, colors: dict[str, str] | None = None) -> str:
+    """The rule's colour in every figure: `colors[name]` when given, else the rule's own
+    `color`, else a spare colour picked from the name (stable across runs)."""
+    if colors and name in colors:
+        return colors[name]
+    cls = REGISTRY.get(name)
+    if cls is not None and cls.color:
+        return cls.color
+    return SPARE[sum(map(ord, name)) % len(SPARE)]
+
+
+def display_name(name: str) -> str:
+    """The rule's `label` ("IPO", "token-MIS"); a name the registry does not know, as is."""
+    cls = REGISTRY.get(name)
+    return cls.label if cls is not None else name
+
+
+def fmt_g(v: float) -> str:
+    """A number as figures and gids write it (%g)."""
+    return f"{v:g}"
+
+
+def fig_ax(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
+    """The caller's Axes and its figure, or a new constrained-layout Figure with one Axes."""
+    if ax is not None:
+        return ax.figure, ax
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def draw_line(ax: Axes, x, y, *, gid: str, label: str | None, **kw) -> Line2D:
+    """`ax.plot` of the finite points only, tagged `gid`; no label: kept out of the legend."""
+    x = np.asarray(x, float)
+    y = np.asarray(y, float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    (ln,) = ax.plot(x[ok], y[ok], label=label if label else "_nolegend_", gid=gid, **kw)
+    return ln
+
+
+def light_log_ticks(ax: Axes) -> None:
+    """Minor ticks at 2 and 5 only, unlabelled, on the log axes of `ax`: matplotlib makes a
+    Tick object per minor tick, and 9 per decade over 12 decades triple the drawing time."""
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log":
+            axis.set_minor_locator(LogLocator(10.0, subs=(2.0, 5.0), numticks=12))
+            axis.set_minor_formatter(NullFormatter())
+
+
+def fraction_column(kind: str) -> str:
+    """The column a rule's curve draws: weight rules mask nothing, their truncated fraction."""
+    return "truncated_fraction" if kind == "weight" else "masked_fraction"
+
+
+def preset_names(rule: Rule) -> list[str]:
+    """The catalogue presets that this exact setting equals (e.g. ['verl', 'areal', 'paper'])."""
+    cls = type(rule)
+    out = []
+    for name, vals in cls.presets.items():
+        if cls(**vals).spec() == rule.spec():
+            out.append(name)
+    return out
+
+
+def spec_label(spec: str, with_preset: bool = True) -> str:
+    """`icepop:low=0.2,high=5` -> `IcePop low=0.2, high=5 (prime-rl)`."""
+    name, _, vals = spec.partition(":")
+    name, _, preset = name.partition("@")  # a preset with its own arithmetic is named
+    text = f"{display_name(name)} {vals.replace(',', ', ')}".strip()
+    if preset:
+        return f"{text} ({preset})" if with_preset else text
+    if with_preset and name in REGISTRY:
+        try:
+            names = preset_names(parse_rule(spec))
+        except Exception:  # a spec this version cannot parse: label it as it is
+            names = []
+        if names:
+            text += f" ({', '.join(names[:2])}{', …' if len(names) > 2 else ''})"
+    return text
+
+
+def settings_of(table: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
+    """(spec, rows) for each chosen setting of a grouped settings table, in order."""
+    out = []
+    for (spec,), part in table.group_by(["spec"], maintain_order=True):
+        out.append((spec, part))
+    return out
+
+
+def style_for(
+    specs: Sequence[str], colors: dict[str, str] | None = None
+) -> dict[str, tuple[str, str, int]]:
+    """spec -> (colour, line style, index within its rule): a 2nd setting of a rule is dashed."""
+    seen: dict[str, int] = {}
+    out = {}
+    for spec in specs:
+        rule = spec.split(":")[0].split("@")[0]  # a preset keeps its rule's colour
+        k = seen[rule] = seen.get(rule, -1) + 1
+        out[spec] = (rule_color(rule, colors), STYLES[k % 4], k)
+    return out
