@@ -98,7 +98,7 @@ def _child(name: str, path: str, arg: str) -> dict:
         res = engine.sweep([path])
         out["rows"] = res.table.height
     elif name == "inspect":
-        from mismatch_replay.ingest.inspect import inspect_log
+        from mismatch_replay.analysis.inspect import inspect_log
 
         out["tokens"] = inspect_log([path]).loss_tokens
     elif name == "convert":

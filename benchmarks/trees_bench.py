@@ -5,9 +5,10 @@ Usage:
     git worktree add /tmp/before <commit>
     python benchmarks/trees_bench.py /tmp/before . --tokens 20e6 --rounds 5
 
-Each round runs, in fresh subprocesses and in this order, the floor (polars summing the two
-log-prob columns), then `ours-warm` (sweep_bench.py's full sweep in a process that ran one
-first: numba loaded) of every tree, each tree's own benchmarks/sweep_bench.py with
+Each round runs, in fresh subprocesses, the floor (polars summing the two log-prob columns),
+then the workload (default `ours-warm`: sweep_bench.py's full sweep in a process that ran
+one first, numba loaded; `ours`: in a fresh process) of every tree, in the given order in
+even rounds and reversed in odd ones, each tree's own benchmarks/sweep_bench.py with
 PYTHONPATH set to that tree. One warm-up round per tree (numba compiles into the tree's
 __pycache__) is not counted. Reported: per tree the median over rounds of (sweep seconds /
 that round's floor seconds), and the ratio of the medians: the machines are shared and
@@ -59,7 +60,7 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         floor = _run(trees[0], "floor", log)["seconds"]
-        for t in trees:
+        for t in trees if r % 2 == 0 else trees[::-1]:  # alternate: no tree always first
             s = _run(t, args.workload, log)["seconds"]
             ratios[str(t)].append(s / floor)
             rows.append({"round": r, "tree": str(t), "seconds": s, "floor": floor})

@@ -28,7 +28,7 @@ _API = {
     "compare": ("analysis", "compare"),
     "drift": ("analysis", "drift"),
     "check": ("analysis.check", "check"),
-    "inspect": ("ingest.inspect", "inspect_log"),
+    "inspect": ("analysis.inspect", "inspect_log"),
     "convert": ("ingest.convert", "convert"),
     "TokenWriter": ("capture", "TokenWriter"),
     "Rule": ("rules", "Rule"),

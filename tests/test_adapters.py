@@ -44,11 +44,11 @@ from framework_writers import (
 from typer.testing import CliRunner
 
 from mismatch_replay import engine, ingest
+from mismatch_replay.analysis.inspect import prime_check
 from mismatch_replay.cli import app
 from mismatch_replay.errors import DataError, UsageError
 from mismatch_replay.ingest import formats
 from mismatch_replay.ingest.formats import jsonl, prime_rl, skyrl
-from mismatch_replay.ingest.inspect import prime_check
 
 torch = pytest.importorskip("torch")
 

@@ -27,11 +27,11 @@ import pytest
 from conftest import GOLDEN_LOG, assert_tables_equal
 
 from mismatch_replay import engine, ingest, output, rules
+from mismatch_replay.analysis.inspect import inspect_log
 from mismatch_replay.engine import m2po as m2po_store
 from mismatch_replay.errors import DataError, OutputError, ReplayError, UsageError
 from mismatch_replay.ingest import canonical
 from mismatch_replay.ingest import convert as conv
-from mismatch_replay.ingest.inspect import inspect_log
 
 GOLDEN = str(GOLDEN_LOG)
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,10 +3,11 @@
 Design
 ------
 No computation lives here. Each command turns its options into library arguments, calls one
-function (`engine.sweep`, `ingest.inspect_log`, ...) and formats the result: a rich table on
-stdout by default, machine-readable output with `--json` or `-o FILE`. Progress bars and
-notes go to stderr so that stdout can be piped. Library errors (`ReplayError`) become one
-readable line on stderr and exit code 1 (bad data) or 2 (bad usage); no traceback.
+function (`engine.sweep`, `analysis.inspect.inspect_log`, ...) and formats the result: a
+rich table on stdout by default, machine-readable output with `--json` or `-o FILE`.
+Progress bars and notes go to stderr so that stdout can be piped. Library errors
+(`ReplayError`) become one readable line on stderr and exit code 1 (bad data) or 2 (bad
+usage); no traceback.
 Heavy modules are imported inside the commands so that `--help` starts fast.
 
 Four modules, each with one job:

@@ -80,7 +80,7 @@ def inspect(
     """
 
     def body():
-        from ..ingest.inspect import inspect_log, prime_check
+        from ..analysis.inspect import inspect_log, prime_check
 
         with render.progress("inspect") as cb:
             opts = read.options()

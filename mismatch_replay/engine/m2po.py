@@ -172,6 +172,11 @@ class BigStep:
                     os.remove(p)
 
 
+def _address(a: np.ndarray) -> int:
+    """Where an array's data starts."""
+    return a.__array_interface__["data"][0]
+
+
 class _Slab:
     """Store-owned arrays, one per stored field, that the parts of one batch view: leased
     by `M2POStore.add`, back on the store's free list when the last of its parts is
@@ -253,11 +258,20 @@ class M2POStore:
     def __len__(self) -> int:
         return self.tokens
 
-    def add(self, step, x, mass, g=None, seq=None) -> None:
+    def lease(self, n: int, has_g: bool, has_seq: bool) -> _Slab:
+        """A slab of at least n tokens for a batch whose columns the caller writes into
+        `slab.arrays[i][:n]` (the fused kernel writes l^2 and |dp| there, the engine the
+        sequence ids), then hands over with `add(..., slab=slab)`: a column that already
+        lies in the slab is not copied."""
+        absent = {k for k, v in (("g", has_g), ("seq", has_seq)) if not v}
+        return self._lease(n, frozenset(absent))
+
+    def add(self, step, x, mass, g=None, seq=None, slab: _Slab | None = None) -> None:
         """Append a batch's tokens (arrays of equal length, in input order); g / seq None:
         all zero (no grouping / no sequence ids), not stored. The values are copied into a
         slab of the store's own (a released one when one is free), grouped by step, so the
-        caller may reuse its arrays at once."""
+        caller may reuse its arrays at once; `slab`: a `lease`d slab, which the store keeps,
+        columns already in it uncopied."""
         n = len(x)
         if n == 0:
             return
@@ -277,7 +291,9 @@ class M2POStore:
                 (int(step[a]), int(a), int(b))
                 for a, b in zip(np.r_[0, cut], np.r_[cut, n], strict=True)
             ]
-        slab = self._lease(n)
+        leased = slab is not None and slab.absent == frozenset(self._absent)
+        if not leased:
+            slab = self._lease(n)
         kept = []
         for col, into in zip(cols, slab.arrays, strict=True):
             if into is None:
@@ -285,7 +301,9 @@ class M2POStore:
                 continue
             into = into[:n]
             col = np.asarray(col)
-            if order is None:
+            if leased and order is None and _address(col) == _address(into):
+                pass  # written into the slab already (x, mass by the kernel; seq ids)
+            elif order is None:
                 np.copyto(into, col, casting="unsafe")  # the groups: int64 codes -> int32
             else:
                 into[:] = col[order]
@@ -299,10 +317,10 @@ class M2POStore:
         if self.nbytes > self.limit:
             self.spill()
 
-    def _lease(self, n: int) -> _Slab:
-        """A slab of at least n tokens for the current fields: the smallest free one that
-        fits, else a new one."""
-        absent = frozenset(self._absent)
+    def _lease(self, n: int, absent: frozenset | None = None) -> _Slab:
+        """A slab of at least n tokens for the current fields (or those not `absent`): the
+        smallest free one that fits, else a new one."""
+        absent = frozenset(self._absent) if absent is None else absent
         with self._pool_lock:
             fit = [sl for sl in self._free if sl.size >= n and sl.absent == absent]
             if fit:
@@ -697,9 +715,14 @@ class M2POTally:
         self._pending: Future | None = None
         self._cache: tuple[int, dict[int, JobBins]] | None = None  # (Tally version, bins)
 
-    def add(self, step, x, mass, g=None, seq=None) -> None:
-        """A batch's m2po inputs (M2POStore.add: copied into the store's slabs)."""
-        self.store.add(step, x, mass, g, seq)
+    def add(self, step, x, mass, g=None, seq=None, slab=None) -> None:
+        """A batch's m2po inputs (M2POStore.add: copied into the store's slabs, but for x
+        and mass written into a `lease`d slab)."""
+        self.store.add(step, x, mass, g, seq, slab)
+
+    def lease(self, n: int, has_g: bool, has_seq: bool):
+        """M2POStore.lease: where the fused kernel writes a batch's l^2 and |dp|."""
+        return self.store.lease(n, has_g, has_seq)
 
     def _done_bins(self, ji: int, G: int, n_seq: int, seqfrac: bool) -> None:
         """done[ji] with G groups and done_seq[ji] with n_seq sequences (at least)."""

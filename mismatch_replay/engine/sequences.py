@@ -77,10 +77,13 @@ class Sequences:
         return self.column("group").astype(np.int64)
 
     # -- one batch
-    def codes(self, df: pl.DataFrame) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    def codes(
+        self, df: pl.DataFrame, into: np.ndarray | None = None
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """Per-token global sequence ids, and (the batch's distinct global ids, each token's
         index into them), for a batch with step and sample_id columns; new sequences get the
-        next ids. The arrays may be this object's scratch: valid until the next call."""
+        next ids. The arrays may be this object's scratch: valid until the next call; `into`
+        (int64, one per token): where the global ids go instead (m2po's leased slab)."""
         step = df["step"]
         sid = df["sample_id"]
         run = None
@@ -123,7 +126,7 @@ class Sequences:
         if in_order and (k == 1 or (np.diff(gid_of_run) == 1).all()):
             # every run a new sequence, numbered in order (a log sorted by step and
             # sequence): a token's batch-local id is its run, its global id an offset
-            gid = self._buffer("gid", run.shape[0])
+            gid = self._buffer("gid", run.shape[0]) if into is None else into
             np.add(run, gid_of_run[0], out=gid)
             return gid, (gid_of_run, run)
         uniq, inv = np.unique(gid_of_run, return_inverse=True)
@@ -131,8 +134,9 @@ class Sequences:
             run = np.zeros(df.height, dtype=np.int64)  # each token's run: a cumulative sum
             run[starts[1:]] = 1  # of run starts (np.repeat is slower with per-run counts)
             np.cumsum(run, out=run)
-            return gid_of_run[run], (uniq, inv.reshape(-1)[run])
-        gid = self._buffer("gid", run.shape[0])
+            gid = gid_of_run[run] if into is None else np.take(gid_of_run, run, out=into)
+            return gid, (uniq, inv.reshape(-1)[run])
+        gid = self._buffer("gid", run.shape[0]) if into is None else into
         local = self._buffer("local", run.shape[0])
         fast.compiled().take_runs(run, gid_of_run, inv.reshape(-1).astype(np.int64), gid, local)
         return gid, (uniq, local)

@@ -278,22 +278,29 @@ class Tally:
         lq = df["inference_logprob"].to_numpy()
         adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
         has_m2po = bool(self.m2po_part.jobs)
-        seq = self.sequences.codes(df) if self.has_seq else None
+        fused = self._fused_state()
+        if self._paths is None:
+            self.paths()
+        slab = None
+        if has_m2po and fused is not None:  # m2po's inputs go straight into its store's slab:
+            # the kernel writes l^2 and |dp| there, the sequence ids are computed there
+            slab = self.m2po_part.lease(len(lp), self.by is not None, self.has_seq)
+        seq = None
+        if self.has_seq:
+            seq = self.sequences.codes(df, slab.arrays[3][: len(lp)] if slab else None)
         if self.has_pgroup and seq is not None:
             self.sequences.add_pgroups(df)
         g = self._group_codes(df, seq)
         G = len(self.groups)
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
         self.version += 1
-        fused = self._fused_state()
-        if self._paths is None:
-            self.paths()
         if fused is None:
             self._add_batch_numpy(df, TokenBatch(lp, lq, adv), g, G, ent, seq)
             return
         inv_tok = self.inv_n[seq[0]] if self.inv_n is not None else None
         lin_w = 1.0 / SCATTER_BINS
         log_w = (0.0 - SCATTER_LOG10_MIN) / SCATTER_BINS
+        into = None if slab is None else (slab.arrays[0][: len(lp)], slab.arrays[1][: len(lp)])
         out = fused.run(
             lp,
             lq,
@@ -305,6 +312,7 @@ class Tally:
             inv_tok,
             ent,
             m2po=has_m2po,
+            m2po_into=into,
             scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
             log_clamp=LOG_CLAMP,
         )
@@ -329,6 +337,7 @@ class Tally:
                 out.m2po_mass,
                 g if self.by is not None else None,
                 seq[0] if seq is not None else None,
+                slab,
             )
         tb = None
         for ji, job in enumerate(self.jobs):

@@ -37,9 +37,10 @@ path's in the last bits (another order of addition).
 Buffers. Each runner owns its per-batch arrays that never leave `run()` (the window flags,
 the scatter counts: `_zeros`, grown once and zeroed per batch, since an array of megabytes
 fresh from the system faults in every page on first touch) and its per-thread scratch;
-m2po's inputs (l^2 and |dp|) are the runner's too (`_reused`, not zeroed): `BatchOut`
-lends them, and m2po's store copies them into slabs of its own before the next batch.
-m2po's per-step scratch is per thread.
+m2po's inputs (l^2 and |dp|) are written where the caller says (`m2po_into`: the engine
+passes a slab leased from m2po's store, which keeps it until the step is resolved, so they
+are never copied), else into arrays of the runner's own (`_reused`, not zeroed). m2po's
+per-step scratch is per thread.
 
 Threads: a batch is cut into 4 chunks per thread (MISMATCH_REPLAY_THREADS, default: the
 usable cores), taken by whichever thread is free; each thread adds into its own
@@ -381,7 +382,10 @@ class Fused:
         m2po: bool = False,
         scatter_consts: tuple[float, float, float, float, int] = (0.0, 0.005, -8.0, 0.04, 200),
         log_clamp: float = 20.0,
+        m2po_into: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> BatchOut:
+        """One batch through the kernel. `m2po_into`: two float64 arrays of len(lp) that
+        m2po's l^2 and |dp| are written into (its store's leased slab), else the runner's."""
         j = compiled()
         p = self.p
         n = len(lp)
@@ -412,9 +416,12 @@ class Fused:
         # cores: fixed halves left one thread waiting for the other, ~20 ms a batch)
         nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
         sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
-        # m2po's inputs: the runner's own, overwritten next batch (the store copies them)
-        m2x = self._reused("m2po_x", n) if m2po else _E1
-        m2m = self._reused("m2po_mass", n) if m2po else _E1
+        # m2po's inputs: into the store's slab, else the runner's own (overwritten next batch)
+        if m2po and m2po_into is not None:
+            m2x, m2m = m2po_into
+        else:
+            m2x = self._reused("m2po_x", n) if m2po else _E1
+            m2m = self._reused("m2po_mass", n) if m2po else _E1
         flags = np.array(
             [
                 adv is not None,

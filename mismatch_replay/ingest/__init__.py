@@ -14,13 +14,12 @@ Five layers, each importing only those above it in this list:
 - `read`: `plan_sources` (the Plan, from the schemas alone) and `iter_batches` / `read_table`
   (the files streamed a batch at a time: Parquet read here, the other formats by their
   readers, every batch through canonical's checks).
-- `convert` (the canonical table written once as zstd Parquet), `inspect` (what is in a log,
-  and prime_check: the run's logged decisions replayed), `alignment` (are the two log-prob
-  columns about the same tokens).
+- `convert` (the canonical table written once as zstd Parquet), `alignment` (are the two
+  log-prob columns about the same tokens). `inspect` (what is in a log, and prime_check: the
+  run's logged decisions replayed) runs the engine, so it lives in `analysis.inspect`.
 
-This package re-exports what the rest of the library uses. `inspect` is not imported here
-(it runs the engine, which reads through this package): import `ingest.inspect` itself;
-likewise `convert` (`ingest.convert.convert`), so that the name stays the module's.
+This package re-exports what the rest of the library uses. `convert` is not imported here,
+so that the name stays the module's (`ingest.convert.convert`).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from .. import analysis, engine, ingest
 from ..analysis.figure_data import NO_LENGTH_NOTE
+from ..analysis.inspect import inspect_log
 from ..errors import UsageError
-from ..ingest.inspect import inspect_log
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
 from . import report as page
 from .render import FIGURES, figures, render_all

@@ -32,11 +32,11 @@ import polars as pl
 
 from ..engine import Tally, columns_needed
 from ..errors import DataError, UsageError
-from . import read
-from .alignment import AlignmentCheck
-from .canonical import DuplicateCheck, IngestWarning, ReadOptions
-from .formats.prime_rl import PRIME, PRIME_CHECKS, read_traces
-from .formats.records import read_records
+from ..ingest import read
+from ..ingest.alignment import AlignmentCheck
+from ..ingest.canonical import DuplicateCheck, IngestWarning, ReadOptions
+from ..ingest.formats.prime_rl import PRIME, PRIME_CHECKS, read_traces
+from ..ingest.formats.records import read_records
 
 
 @dataclass
