@@ -174,8 +174,27 @@ def test_scatter_extra_rules(data, log):
 
 
 def test_scatter_rejects_rules_without_a_boundary(data):
-    with pytest.raises(UsageError, match="no boundary"):
+    with pytest.raises(UsageError, match=r"no boundary.*drawable rules: ipo, ipo-v1, icepop"):
         viz.scatter(data, log=False, extra=[parse_rule("tis")])
+
+
+def test_scatter_draws_a_rule_by_its_declared_boundary(data):
+    """A rule outside the catalogue draws as its `boundary` says, not by its name."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from mismatch_replay.rules import IcePop
+
+    @dataclass(frozen=True)
+    class Band(IcePop):
+        name: ClassVar[str] = "my-band"
+        label: ClassVar[str] = "my band"
+
+    fig = viz.scatter(data, log=False, extra=[Band(low=0.25, high=4.0)])
+    ax = fig.axes[0]
+    x, y = lines_by_gid(ax)["my-band-high|low=0.25,high=4"].get_data()
+    np.testing.assert_allclose(y[y < 1], 4.0 * x[y < 1], rtol=1e-9)
+    assert any("my band r ∈ [0.25, 4]" in t for t in legend_texts(ax.get_legend()))
 
 
 def test_scatter_panels(data):

@@ -494,11 +494,15 @@ class Rule:
     # spare palette colour picked from the name), `panel` the masked-fraction panel its
     # thresholds are drawn in (a key of viz.curves.FAMILIES, or {param: key}; None: the
     # panel of the unit of the quantity the parameter thresholds, `quantities`, else
-    # "other"), `bound_on` what its thresholds bound where a panel mixes statistics.
+    # "other"), `bound_on` what its thresholds bound where a panel mixes statistics,
+    # `boundary` how the scatter draws its boundary in the (q, p) plane: "band" (|p - q| <=
+    # eps), "cone" (low <= p / q <= high), "shift" (p - q <= high, q - p <= low), "bkl" (a
+    # binary-KL contour at its phi and clamp), or None (no boundary: not drawable).
     label: ClassVar[str] = ""
     color: ClassVar[str | None] = None
     panel: ClassVar[str | dict[str, str] | None] = None
     bound_on: ClassVar[str] = ""
+    boundary: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

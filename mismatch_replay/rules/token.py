@@ -78,6 +78,7 @@ def ratio_margin(rule: Rule, values) -> tuple[float, float] | None:
 @register
 class IPO(Rule):
     name = "ipo"
+    boundary = "band"
     label = "IPO"
     color = "#D55E00"  # Okabe-Ito vermillion
     title = "INTELLECT Policy Optimization"
@@ -109,6 +110,7 @@ class IPO(Rule):
 class IPOv1(Rule):
     primary = "high"
     name = "ipo-v1"
+    boundary = "shift"
     label = "IPO-v1"
     color = "#E69F00"  # Okabe-Ito orange
     title = "early IPO, one threshold per side"
@@ -139,6 +141,7 @@ class IPOv1(Rule):
 class IcePop(Rule):
     primary = "high"
     name = "icepop"
+    boundary = "cone"
     label = "IcePop"
     color = "#0072B2"  # Okabe-Ito blue
     title = "IcePop ratio band"
@@ -237,6 +240,7 @@ class TokenMIS(IcePop):
 @register
 class KPop(Rule):
     name = "kpop"
+    boundary = "bkl"
     label = "KPop"
     color = "#009E73"  # Okabe-Ito bluish green
     title = "KPop binary-KL mask"
@@ -335,6 +339,7 @@ class TokenK3(Rule):
 class DPPOTV(Rule):
     primary = "high"
     name = "dppo-tv"
+    boundary = "shift"
     label = "DPPO-TV"
     color = "#CC79A7"  # Okabe-Ito reddish purple
     title = "DPPO binary total variation"

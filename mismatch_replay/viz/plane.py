@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from ..errors import UsageError
-from ..rules import Rule, binary_kl
+from ..rules import REGISTRY, Rule, binary_kl
 from .style import LABEL, NOTE, SMALL, STYLES, display_name, draw_line, fig_ax, fmt_g, rule_color
 
 if TYPE_CHECKING:
@@ -156,7 +156,8 @@ def scatter(
     `log=True` draws log10 probabilities (ticks 1e-8 .. 1): the IcePop cone becomes two
     straight lines and the rare tokens become visible. Boundaries: the IPO band p = q +- eps for
     each `ipo_eps`, the IcePop cone for each (low, high) in `icepop`, and for `extra` rules
-    (ipo, ipo-v1, icepop, token-mis, kpop, dppo-tv instances) their own boundaries.
+    their own boundaries, drawn as their class's `boundary` says (ipo, ipo-v1, icepop,
+    token-mis, kpop and dppo-tv have one).
     `colors`: rule name -> colour, overriding the rules' own (style.rule_color).
     """
     fig, ax = fig_ax(ax, (5.4, 5.6))
@@ -212,19 +213,26 @@ def _scatter(data, ax, log, ipo_eps, icepop, extra, colorbar, colors) -> tuple[l
     cones = [("icepop", float(a), float(b)) for a, b in icepop]
     shifts: list[tuple[str, float, float]] = []
     kpops: list[Rule] = []
-    for rule in extra:
-        if rule.name == "ipo":
+    classes = {rule.name: type(rule) for rule in extra}
+
+    def shown(name: str) -> str:  # a rule's own label (one outside the catalogue too)
+        return classes[name].label if name in classes else display_name(name)
+
+    for rule in extra:  # each rule says how its boundary is drawn (Rule.boundary)
+        kind = type(rule).boundary
+        if kind == "band":
             ipo.append(float(rule.eps))
-        elif rule.name in ("icepop", "token-mis"):
+        elif kind == "cone":
             cones.append((rule.name, float(rule.low or 0.0), float(rule.high)))
-        elif rule.name in ("dppo-tv", "ipo-v1"):
+        elif kind == "shift":
             shifts.append((rule.name, float(rule.low), float(rule.high)))
-        elif rule.name == "kpop":
+        elif kind == "bkl":
             kpops.append(rule)
         else:
+            drawable = ", ".join(n for n, c in REGISTRY.items() if c.boundary)
             raise UsageError(
                 f"scatter: rule '{rule.name}' has no boundary in the (q, p) plane; drawable "
-                "rules: ipo, ipo-v1, icepop, token-mis, kpop, dppo-tv."
+                f"rules: {drawable}."
             )
     for i, eps in enumerate(dict.fromkeys(ipo)):
         _ipo_lines(ax, eps, log, STYLES[i % 4], f"IPO |p−q| ≤ {fmt_g(eps)}", colors)
@@ -232,15 +240,13 @@ def _scatter(data, ax, log, ipo_eps, icepop, extra, colorbar, colors) -> tuple[l
     for name, a, b in dict.fromkeys(cones):
         k = seen[name] = seen.get(name, -1) + 1
         bounds = f"[{fmt_g(a)}, {fmt_g(b)}]" if a > 0 else f"≤ {fmt_g(b)}"
-        _cone_lines(
-            ax, name, a, b, log, STYLES[k % 4], f"{display_name(name)} r ∈ {bounds}", colors
-        )
+        _cone_lines(ax, name, a, b, log, STYLES[k % 4], f"{shown(name)} r ∈ {bounds}", colors)
     for name, a, b in dict.fromkeys(shifts):
         k = seen[name] = seen.get(name, -1) + 1
-        if name == "dppo-tv":
-            label = f"DPPO-TV p−q ≤ {fmt_g(b)} (A>0), q−p ≤ {fmt_g(a)} (A≤0)"
+        if "advantage" in classes[name].needs:  # each side for one sign of A (DPPO-TV)
+            label = f"{shown(name)} p−q ≤ {fmt_g(b)} (A>0), q−p ≤ {fmt_g(a)} (A≤0)"
         else:
-            label = f"{display_name(name)} p−q ≤ {fmt_g(b)}, q−p ≤ {fmt_g(a)}"
+            label = f"{shown(name)} p−q ≤ {fmt_g(b)}, q−p ≤ {fmt_g(a)}"
         _shift_lines(ax, name, a, b, log, STYLES[(k + 2) % 4], label, colors)
     handles, labels = ax.get_legend_handles_labels()
     for i, rule in enumerate(kpops):
