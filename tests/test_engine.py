@@ -739,3 +739,18 @@ def test_m2po_leased_slabs_match_the_numpy_path(tmp_path, monkeypatch):
         simple = engine.sweep([log], **kw).table.sort(["value", "step"]).select(cols)
     assert fused.equals(simple)
     assert fused["masked_tokens"].sum() > 0
+
+
+def test_k3_bins_of_extreme_values_without_warnings():
+    """--robust's k3 histogram: k3 = 0 in bin 0, inf (l > 709) in the top bin, no numpy
+    RuntimeWarning on the cast (the bins take every finite and infinite k3)."""
+    import warnings
+
+    from mismatch_replay.engine.bins import K3_BINS, k3_bin
+
+    k3 = np.array([0.0, 1e-300, 1e-9, 0.01, 1e300, np.inf])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = k3_bin(k3)
+    assert b[0] == 0 and b[1] == 1 and b[-1] == b[-2] == K3_BINS
+    assert (np.diff(b) >= 0).all()

@@ -535,8 +535,7 @@ def test_docs_table_names_every_checked_commit():
 
 
 # ----------------------------------------------------------------------------- the CLI
-# These drive the flags the lead wires into cli.py (see docs/integrations.md); until then
-# they skip.
+# The flags of docs/integrations.md, driven through the command line.
 
 
 def _cli(*args):
@@ -552,8 +551,7 @@ def _has_flag(command: str, flag: str) -> bool:
 
 
 def test_cli_choose_from_config_emit_round_trip(tmp_path):
-    if not _has_flag("choose", "--emit"):
-        pytest.skip("cli.py has no choose --emit yet")
+    assert _has_flag("choose", "--emit")
     res = _cli(
         "choose",
         GOLDEN,
@@ -579,8 +577,7 @@ def test_cli_choose_from_config_emit_round_trip(tmp_path):
 
 
 def test_cli_report_wandb_and_tensorboard(tmp_path, monkeypatch):
-    if not _has_flag("report", "--wandb"):
-        pytest.skip("cli.py has no report --wandb yet")
+    assert _has_flag("report", "--wandb") and _has_flag("report", "--tensorboard")
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboardX")
     from mismatch_replay.integrations import tensorboard_log, wandb_log

@@ -25,5 +25,7 @@ def test_choose_eps_notebook_executes(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 4  # scatter, masked fraction, where masked, steps
+    errs = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    assert "Warning" not in errs and "Traceback" not in errs, errs
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "204,800 loss tokens" in text and "drift steps:" in text

@@ -55,6 +55,9 @@ def k3_bin(k3: np.ndarray) -> np.ndarray:
     """--robust: each k3's bin of the log10 histogram, 1 .. K3_BINS (k3 = 0: bin 0)."""
     with np.errstate(divide="ignore"):
         x = np.log10(np.where(k3 > 0, k3, 1.0))  # k3 = 0 goes to bin 0 below
+    x = np.clip(
+        x, K3_LOG10_MIN - 1.0, K3_LOG10_MAX + 1.0
+    )  # inf (l > 709): the top bin, no cast warning
     i = np.floor((x - K3_LOG10_MIN) / (K3_LOG10_MAX - K3_LOG10_MIN) * K3_BINS).astype(np.int64)
     return np.where(k3 > 0, np.clip(i, 0, K3_BINS - 1) + 1, 0)
 
