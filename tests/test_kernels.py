@@ -983,3 +983,61 @@ def test_without_numba_the_cli_says_so_once_on_stderr(golden_log):
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("numba is not installed") == 1, res.stderr
     assert "ipo" in res.stdout and "numba" not in res.stdout
+
+
+# ----------------------------------------------------------------------------- small kernels
+
+
+@pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")
+@given(st.integers(0, 2**31), st.integers(1, 300), st.integers(0, 10**6))
+def test_poisson_weights_kernel_is_numpys(seed, replicates, boot_seed):
+    """The kernel's Poisson(1) weights are numpy's bit for bit (ids large and negative too)."""
+    from mismatch_replay.engine import bins
+
+    rng = np.random.default_rng(seed)
+    units = np.unique(np.r_[rng.integers(-(2**62), 2**62, 400), np.arange(300), [0, 2**63 - 1, -1]])
+    want = bins.poisson_weights_numpy(units, replicates, boot_seed)
+    assert np.array_equal(bins.poisson_weights(units, replicates, boot_seed), want)
+    wt = bins.poisson_weights(units, replicates, boot_seed, transposed=True)
+    assert np.array_equal(wt, want.T)
+
+
+@pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")
+def test_replicate_bins_kernel_is_numpys():
+    """Replicate sums per bin: the kernel and numpy's add.at give the same (exact) sums."""
+    rng = np.random.default_rng(1)
+    wt = rng.poisson(1.0, (50, 30)).astype(np.float64)
+    unit = rng.integers(0, 50, 2000)
+    b = rng.integers(0, 7, 2000)
+    mult = rng.integers(1, 600, 2000).astype(np.float64)
+    got = fast.replicate_bins(unit, b, mult, wt, 7)
+    with fast.use_backend("numpy"):
+        want = fast.replicate_bins(unit, b, mult, wt, 7)
+    assert np.array_equal(got, want)
+    ref = np.zeros((30, 7))
+    for u, k, m in zip(unit, b, mult, strict=True):
+        ref[:, k] += m * wt[u]
+    assert np.array_equal(got, ref)
+
+
+@pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")
+def test_q_bucket_codes_are_numpys_at_the_edges():
+    """The kernel's q buckets (its own exp) are bins.q_bucket's on pmath's exp, also for
+    log-probs within a few ulps of log(edge)."""
+    from mismatch_replay import pmath
+    from mismatch_replay.engine import Q_BUCKET_EDGES
+    from mismatch_replay.engine.bins import q_bucket
+
+    j = fast.compiled()
+    edges = np.asarray(Q_BUCKET_EDGES, dtype=np.float64)
+    logs = np.log(edges[1:])
+    near = (logs.view(np.int64)[:, None] + np.arange(-8, 9)[None, :]).ravel().view(np.float64)
+    lq = np.r_[near, -np.random.default_rng(2).exponential(3.0, 20000), 0.0, -800.0]
+    out = np.empty(lq.shape[0], dtype=np.int64)
+    first = np.full(edges.shape[0], -1, dtype=np.int64)
+    j.q_bucket_codes(lq, edges, out, first)
+    want = q_bucket(pmath.exp(lq))
+    assert np.array_equal(out, want)
+    for k in range(edges.shape[0]):
+        hit = np.flatnonzero(want == k)
+        assert first[k] == (hit[0] if hit.size else -1)

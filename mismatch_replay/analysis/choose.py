@@ -3,15 +3,29 @@
 Design
 ------
 `choose` finds, per rule and threshold parameter, the value whose masked fraction is
-closest to a target, in two passes as a rule: the default grids bracket the answer (or a
-replay that holds them already: the report's full sweep, `tally=`), then ONE pass
-(`search.one_pass`) both refines every bracket with 2 x REFINE_POINTS = 128 new grid points
-and accumulates a streaming Poisson bootstrap over sequences (or steps) on BOOT_COLUMNS = 25
-points spanning the bracket widened by BOOT_WIDEN = 2 default grid points each side. A
-bracket those points leave open gets further passes (`search.refine`) until the fraction is
-within `tol` (relative) of the target or the bracket shrinks to a tie in the data: the
-answers are exact on a grid refined until within 1%. Sequence rules refine from the sequence
-sums with no pass; m2po (it ranks whole steps) refines in passes of its own, unresampled.
+closest to a target. ONE replay, as a rule: the default grids made denser (`search.first_job`:
+3 points between two grid values for token rules, 64 for m2po) bracket the answer, and the
+replay keeps its tail (engine.Tail, sized by `search.tail_fraction`): the tokens beyond
+per-coordinate cutoffs. Then, with no pass (`_with_tail`):
+
+* every open bracket is refined with 2 x REFINE_POINTS = 128 grid points, then rounds of
+  REFINE_POINTS, until the fraction is within `tol` (relative) of the target or the bracket
+  shrinks to a tie in the data; each grid's counts come from the kept tokens wherever they
+  are every masked token (analysis/tail_counts.py checks it against the replay's exact
+  counts), else from a pass (`search.one_pass`, which also scores sequence rules from the
+  sequence sums, free);
+* the bootstrap: Poisson(1) replicates over sequences (or steps) of the masked tokens on
+  BOOT_COLUMNS = 25 values around the answer (`_boot_job`: between the evaluated values
+  where the fraction is the target times 1 +- (BOOT_SIGMAS relative standard errors +
+  BOOT_MARGIN), so that every replicate's crossing lies inside), from the kept tokens too.
+
+m2po ranks whole steps: it refines on its dense grid, in passes of its own if that is not
+enough, and is not resampled. Where the replay keeps no tail (the simple path, a float32
+replay, the Ray engine, a tail past its memory limit) the same refinement runs in passes and
+the bootstrap columns span the coarse bracket widened by BOOT_WIDEN grid points each side,
+in the same pass as the first refinement (the exact counts are the same; the intervals,
+read at other columns, agree to a fraction of their width: tests/test_tail.py). `tally=`: a
+replay that holds these jobs already (the report's shared read, with its tail).
 
 The interval is the 2.5% and 97.5% quantiles, over replicates, of the value where the
 replicate's masked fraction crosses the target (`_crossings`: interpolated between the two
@@ -36,10 +50,23 @@ from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..rules import REGISTRY, Rule, parse_rule
-from .search import REFINE_POINTS, Search, choice_jobs, grid_between, job_key, one_pass, refine
+from .search import (
+    REFINE_POINTS,
+    Search,
+    choice_jobs,
+    first_job,
+    grid_between,
+    job_key,
+    one_pass,
+    refine,
+    tail_fraction,
+)
+from .tail_counts import TailCounts
 
 BOOT_COLUMNS = 25  # grid points a replicate is read at (the interval's resolution)
 BOOT_WIDEN = 2  # default grid points the bootstrap's range extends the bracket by, each side
+BOOT_SIGMAS = 6.0  # with the tail: relative standard errors the columns span, each side
+BOOT_MARGIN = 0.02  # ... plus this relative margin on the fraction
 CURVE_POINTS = 11  # the report's table: masked fraction at grid values around the choice
 
 
@@ -143,13 +170,11 @@ def choose(
     fraction at each given setting, with its interval. `precision="float32"`: the rules
     decide in the frameworks' float32 arithmetic (engine.replay).
 
-    Two passes in all, as a rule: the default grids (or `tally`, a replay that already holds
-    these rules' default-grid jobs, e.g. the report's full sweep: then one pass), then one
-    pass that both refines every bracket and accumulates the bootstrap (`search.one_pass`).
-    A bracket those points cannot settle within `tol` gets further refinement passes (m2po
-    always does: its steps are ranked whole). `curve=True` adds to each choice its `curve`:
-    the exact masked fraction at the default grid values around the chosen one (`_curve`,
-    the report's table).
+    One read of the log, as a rule: the first grids, keeping the tail that settles the
+    refinement and the bootstrap (or `tally`, a replay that already holds these jobs, e.g.
+    the report's shared read: then none). Without a tail, two or more passes (the module
+    docstring). `curve=True` adds to each choice its `curve`: the exact masked fraction at
+    the default grid values around the chosen one (`_curve`, the report's table).
     """
     plan = ingest.plan_sources(sources, options)
     if target_fraction is not None and not 0.0 < target_fraction < 1.0:
@@ -184,21 +209,52 @@ def choose(
             rows.append(_choice(job, values[0], frac, None, lo, hi, "ok", note, tokens, 1))
         return ChooseResult(None, rows)
     target = target_fraction
-    # 1. the default grids
+    # 1. the default grids made denser (search.first_job), keeping the tail that settles
+    # the token rules' refinement and bootstrap with no second pass (tail_counts.py)
+    first = [first_job(j) for j in jobs]
     if tally is None:
-        tally = engine.replay(plan, jobs=jobs, progress=progress, final=True)
+        tail = engine.Tail(tail_fraction(target), count_steps=unit == "step")
+        tally = engine.replay(plan, jobs=first, progress=progress, final=True, tail=tail)
         index = list(range(len(jobs)))
-    else:  # the caller's replay: find each job in it
+    else:  # the caller's replay (its first jobs, or the default grids): find each job
         keys = {job_key(j): i for i, j in enumerate(tally.jobs)}
-        missing = [j.label for j in jobs if job_key(j) not in keys]
+        missing = [
+            j.label
+            for j, f in zip(jobs, first, strict=True)
+            if not {job_key(f), job_key(j)} & keys.keys()
+        ]
         if missing:
             raise ValueError(f"choose(tally=...): the replay lacks the job(s) {missing}")
-        index = [keys[job_key(j)] for j in jobs]
+        index = [
+            keys.get(job_key(f), keys.get(job_key(j))) for j, f in zip(jobs, first, strict=True)
+        ]
     searches = []
     for job, ji in zip(jobs, index, strict=True):
         values, hits, tokens = readout.job_counts(tally, ji)
         searches.append(Search(job, values.copy(), hits.copy(), tokens))
     coarse = [s.state(target, tol) for s in searches]
+    tc = TailCounts.of(tally)
+    if tc is not None and bootstrap and not tc.can_resample(unit):
+        tc = None
+    if tc is not None:
+        rows = _with_tail(
+            plan,
+            searches,
+            coarse,
+            tc,
+            target,
+            tol,
+            max_passes,
+            bootstrap,
+            unit,
+            seed,
+            tally,
+            progress,
+        )
+        if curve:
+            for row, s in zip(rows, searches, strict=True):
+                row.curve = _curve(s, row.value)
+        return ChooseResult(target, rows)
     # 2. one pass: refinement points in every open bracket, and the bootstrap columns
     fine_of = [i for i, c in enumerate(coarse) if c[2] == "refine"]
     fine = [
@@ -221,9 +277,8 @@ def choose(
         bp = one_pass(plan, fine, bjobs, bootstrap, unit, seed, tally, progress)
         for i, job, hits in zip(fine_of, fine, bp.hits, strict=True):
             searches[i].add(job.values, hits)
-        read = any(j.rule.level != "sequence" for j in [*fine, *bjobs])
         for s in searches:
-            s.passes += read
+            s.passes += bp.read
     # 3. what is still open (m2po; a bracket those points could not settle)
     refine(plan, searches, target, tol, max_passes - 2, tally, progress)
     where = {i: k for k, i in enumerate(inpass)}
@@ -245,6 +300,85 @@ def choose(
             row.curve = _curve(s, best)
         rows.append(row)
     return ChooseResult(target, rows)
+
+
+def _with_tail(
+    plan, searches, coarse, tc, target, tol, max_passes, bootstrap, unit, seed, tally, progress
+) -> list[Choice]:
+    """Steps 2 and 3 where the first replay kept its tail: the refinement first (counted
+    from the tail where it covers: no pass), then each answer's bootstrap on columns placed
+    around it (`_boot_job`: the tail's replicates; a pass only for what it does not cover)."""
+    fine_of = [i for i, c in enumerate(coarse) if c[2] == "refine"]
+    fine = [
+        engine.Job(s.job.rule, s.job.param, grid_between(*coarse[i][3], 2 * REFINE_POINTS))
+        for i in fine_of
+        for s in [searches[i]]
+    ]
+    if fine:
+        bp = one_pass(plan, fine, [], 0, None, 0, tally, progress)
+        for i, job, hits in zip(fine_of, fine, bp.hits, strict=True):
+            searches[i].add(job.values, hits)
+        for s in searches:
+            s.passes += bp.read
+    refine(plan, searches, target, tol, max_passes - 2, tally, progress)
+    states = [s.state(target, tol) for s in searches]
+    boot: dict[int, tuple] = {}
+    pending: list[tuple[int, engine.Job]] = []
+    for i, (s, st) in enumerate(zip(searches, states, strict=True)):
+        level = s.job.rule.level
+        if not bootstrap or level == "step" or st[2].startswith("out of range"):
+            continue
+        bj = _boot_job(s, st[0], target, tc, unit) if level == "token" else None
+        if bj is not None and tc.covers(bj):
+            boot[i] = (bj, *tc.replicates(bj, bootstrap, unit, seed))
+        else:
+            pending.append((i, bj or engine.Job(s.job.rule, s.job.param, _boot_grid(s, coarse[i]))))
+    if pending:
+        bp = one_pass(plan, [], [j for _, j in pending], bootstrap, unit, seed, tally, progress)
+        for k, (i, bj) in enumerate(pending):
+            boot[i] = (bj, bp.reps[k], bp.tokens[k])
+        for s in searches:
+            s.passes += bp.read
+    rows = []
+    for i, (s, st) in enumerate(zip(searches, states, strict=True)):
+        best, frac, status, _ = st
+        if status == "refine":
+            status = f"not converged: not within {tol:.0%} after {s.passes} passes"
+        status, _, note = status.partition(": ")
+        lo = hi = None
+        if bootstrap and status != "out of range":
+            got = boot.get(i)
+            if got is None or got[1] is None:
+                boot_note = _no_boot_note(s.job)
+            else:
+                lo, hi, boot_note = _ci_from(got[0], got[1], got[2], target)
+            note = "; ".join(x for x in (note, boot_note) if x)
+        rows.append(_choice(s.job, best, frac, target, lo, hi, status, note, s.tokens, s.passes))
+    return rows
+
+
+def _boot_job(s: Search, best: float, target: float, tc: TailCounts, unit: str):
+    """The bootstrap columns around a token rule's answer: BOOT_COLUMNS points between
+    the evaluated values where the masked fraction is target (1 + d) and target (1 - d),
+    d = BOOT_SIGMAS relative standard errors of the fraction at the answer (the tail's
+    `spread`) + BOOT_MARGIN, so that every replicate's crossing lies inside; None where
+    the tail cannot say (the answer's masked tokens not all kept)."""
+    rule, param = s.job.rule, s.job.param
+    one = engine.Job(rule, param, np.array([best]))
+    if not tc.covers(one):
+        return None
+    se = tc.spread(one, unit)
+    if se is None:
+        return None
+    d = min(0.9, BOOT_SIGMAS * se + BOOT_MARGIN)
+    thr = np.array([rule.threshold(param, v) for v in s.values])
+    order = np.argsort(thr, kind="stable")  # threshold ascending: fraction non-increasing
+    vt, ft = s.values[order], s.hits[order] / s.tokens
+    above = np.flatnonzero(ft >= target * (1 + d))
+    below = np.flatnonzero(ft <= target * (1 - d))
+    lo = vt[above[-1]] if above.size else vt[0]
+    hi = vt[below[0]] if below.size else vt[-1]
+    return engine.Job(rule, param, np.unique(np.r_[grid_between(lo, hi, BOOT_COLUMNS), best]))
 
 
 def _no_boot_note(job: engine.Job) -> str:

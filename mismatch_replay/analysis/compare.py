@@ -24,7 +24,6 @@ step / sample_id / position the log has), as drift's spike tokens are.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,7 +34,8 @@ from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..rules import Rule, TokenBatch, parse_grid, parse_rule
-from .search import Search, grid_between, refine
+from .search import Search, dense, refine, tail_fraction
+from .tail_counts import TailCounts
 
 CELLS = ("both", "only_a", "only_b", "neither")
 DENSE = 16  # points a budget search puts between two default grid points (one pass)
@@ -143,6 +143,7 @@ class Pair:
     b: Rule
     settings: dict[str, BudgetSetting]
     budget: float | None
+    tally: engine.Tally | None = None  # the budget search's replay (its tail: compare_pass)
 
 
 def _token_mask(rule: Rule, tb: TokenBatch) -> np.ndarray:
@@ -152,22 +153,19 @@ def _token_mask(rule: Rule, tb: TokenBatch) -> np.ndarray:
     return s >= thr if rule.inclusive else s > thr
 
 
-def _dense(values: np.ndarray, m: int = DENSE) -> np.ndarray:
-    pieces = [values] + [grid_between(a, b, m + 2)[1:-1] for a, b in itertools.pairwise(values)]
-    return np.unique(np.concatenate(pieces))
-
-
 def _budget_rules(
     plan, rules: Sequence[Rule], budget: float, progress
-) -> list[tuple[Rule, BudgetSetting]]:
+) -> tuple[list[tuple[Rule, BudgetSetting]], engine.Tally]:
     """Each rule set to mask `budget` of the tokens (its primary parameter), all rules in one
     pass on the default grids made DENSE times finer, then refined like `choose` (rarely a
-    second pass)."""
+    second pass; from the replay's tail, with no pass, where it covers). Also returns that
+    replay: its tail holds both settings' masked tokens, as a rule (`compare_pass`)."""
     jobs = []
     for rule in rules:
         param = rule.primary_param()
-        jobs.append(engine.Job(rule, param, _dense(parse_grid(rule.param(param).grid))))
-    tally = engine.replay(plan, jobs=jobs, progress=progress, final=True)
+        jobs.append(engine.Job(rule, param, dense(parse_grid(rule.param(param).grid), DENSE)))
+    tail = engine.Tail(tail_fraction(budget))  # refinement and the table from its tokens
+    tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, tail=tail)
     searches = []
     for ji, job in enumerate(jobs):
         values, hits, tokens = readout.job_counts(tally, ji)
@@ -180,7 +178,7 @@ def _budget_rules(
             status = "not within 1% after 8 passes"
         res = BudgetSetting(s.job.param, float(best), float(frac), status)
         out.append((s.job.rule.replace(**{s.job.param: res.value}), res))
-    return out
+    return out, tally
 
 
 def compare(
@@ -201,7 +199,13 @@ def compare(
     again."""
     plan = ingest.plan_sources(sources, options)
     pair = compare_setup(plan, rule_a, rule_b, budget, precision, budget_settings, progress)
-    return compare_pass(plan, [pair], examples, progress)[0]
+    tally = pair.tally
+    if tally is None and pair.a.level == pair.b.level == "token":
+        # one replay of the two settings whose tail keeps every token either masks: the
+        # table with no numpy pass (on the fused path; else compare_pass makes its pass)
+        jobs = [engine.single_job(pair.a), engine.single_job(pair.b)]
+        tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, tail=engine.Tail(0.0))
+    return compare_pass(plan, [pair], examples, progress, tally)[0]
 
 
 def compare_setup(plan, rule_a, rule_b, budget, precision, budget_settings, progress) -> Pair:
@@ -236,7 +240,9 @@ def compare_setup(plan, rule_a, rule_b, budget, precision, budget_settings, prog
             a = a.replace(**{settings["a"].param: settings["a"].value})
             b = b.replace(**{settings["b"].param: settings["b"].value})
         else:
-            (a, settings["a"]), (b, settings["b"]) = _budget_rules(plan, [a, b], budget, progress)
+            found, tally = _budget_rules(plan, [a, b], budget, progress)
+            (a, settings["a"]), (b, settings["b"]) = found
+            return Pair(a, b, settings, budget, tally)
     return Pair(a, b, settings, budget)
 
 
@@ -249,10 +255,82 @@ class _Acc:
     top: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # side -> columns
 
 
-def compare_pass(plan, pairs: list[Pair], examples: int, progress) -> list[CompareResult]:
-    """The token pass of `compare` for several pairs at once (the report's two): per pair,
-    its result. Sequence rules first need which sequences they mask (one more pass,
-    shared)."""
+def compare_pass(
+    plan, pairs: list[Pair], examples: int, progress, tally: engine.Tally | None = None
+) -> list[CompareResult]:
+    """`compare`'s tables for several pairs at once (the report's two): per pair, its
+    result. A pair of token rules whose masked tokens `tally`'s tail holds (tail_counts.py)
+    is counted from the kept tokens, with no pass (`_from_tail`); the others take one numpy
+    pass over the log, shared. Sequence rules first need which sequences they mask (one
+    more replay, shared)."""
+    tc = TailCounts.of(tally)
+    done = [_from_tail(plan, pr, tc, examples) if tc is not None else None for pr in pairs]
+    rest = [pr for pr, d in zip(pairs, done, strict=True) if d is None]
+    out = iter(_compare_pass(plan, rest, examples, progress) if rest else [])
+    return [d if d is not None else next(out) for d in done]
+
+
+def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult | None:
+    """A pair's result from a replay's kept tokens, or None where they are not every
+    masked token of both rules (or the replay counted no q buckets). The cells' sums over
+    the kept tokens are the pass's; "neither" is the replay's totals (its metric sums, the
+    kernel's q-bucket counts) minus the other three."""
+    if pr.a.level != "token" or pr.b.level != "token" or tc.tail.q_counts is None:
+        return None
+    ja, jb = _covered_job(pr.a, tc), _covered_job(pr.b, tc)
+    if ja is None or jb is None:
+        return None
+    ma, mb = tc.masked(ja), tc.masked(jb)
+    tb = tc.kept_batch()
+    cell = np.where(ma & mb, 0, np.where(ma, 1, np.where(mb, 2, 3)))
+    edges = np.asarray(engine.Q_BUCKET_EDGES)
+    nb = edges.size
+    qb = np.searchsorted(edges, tb.q, side="right") - 1
+    hit = cell < 3
+    c, w = cell[hit], {"q": tb.q[hit], "p": tb.p[hit], "mass": tb.abs_dp[hit]}
+    acc = {"count": np.bincount(c, minlength=4).astype(np.float64)}
+    acc |= {k: np.bincount(c, weights=v, minlength=4) for k, v in w.items()}
+    tot = tc.main.metrics.total().s
+    n = float(tc.tail.tokens)
+    for k, total in (
+        ("count", n),
+        ("q", tot["q"][0]),
+        ("p", tot["p"][0]),
+        ("mass", tot["abs_dp"][0]),
+    ):
+        acc[k][3] = total - acc[k][:3].sum()
+    bucket = np.bincount(c * nb + qb[hit], minlength=4 * nb).reshape(4, nb).astype(np.float64)
+    bucket[3] = tc.tail.q_counts - bucket[:3].sum(axis=0)
+    top: dict[str, dict[str, np.ndarray]] = {}
+    a = tc.tail.arrays()
+    for side, code in (("a", 1), ("b", 2)):
+        dis = np.flatnonzero(cell == code) if examples else np.zeros(0, np.int64)
+        if dis.size:
+            keep = dis[np.argsort(-np.abs(tb.l[dis]), kind="stable")[:examples]]
+            top[side] = {
+                "masked_by": np.full(keep.size, side),
+                "q": tb.q[keep],
+                "p": tb.p[keep],
+                "abs_dp": tb.abs_dp[keep],
+                "log_ratio": tb.l[keep],
+            } | {col: a[col][keep] for col in ("step", "sample_id", "position") if col in a}
+    return _compare_result(plan, pr, _Acc(acc, bucket, top), edges)
+
+
+def _covered_job(rule: Rule, tc: TailCounts) -> engine.Job | None:
+    """The rule at its setting as a one-value job on a threshold parameter the tail's
+    replay swept (the masked tokens are the same whichever parameter holds the value), if
+    the kept tokens are all its masked ones."""
+    for p in rule.params:
+        if p.threshold and getattr(rule, p.name) is not None:
+            job = engine.Job(rule, p.name, np.array([float(getattr(rule, p.name))]))
+            if tc.covers(job):
+                return job
+    return None
+
+
+def _compare_pass(plan, pairs: list[Pair], examples: int, progress) -> list[CompareResult]:
+    """The numpy pass over the log for pairs the tail does not settle."""
     seq_rules = [r for pr in pairs for r in (pr.a, pr.b) if r.level == "sequence"]
     pre = None
     seq_masked: dict[int, np.ndarray] = {}

@@ -31,7 +31,7 @@ from .choose import Choice, ChooseResult, choose
 from .compare import CompareResult, compare, compare_pass, compare_setup
 from .drift import DriftResult, drift, drift_from, drift_rules
 from .figure_data import NO_LENGTH_NOTE, FigureData, default_settings, length_table
-from .search import choice_jobs, job_key
+from .search import choice_jobs, first_job, job_key, tail_fraction
 
 DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
 BUDGET_PAIR = ("ipo", "icepop@prime-rl")
@@ -133,12 +133,19 @@ def report_data(
     options: ingest.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
     precision: str | None = None,
+    summary: dict | None = None,
 ) -> tuple[FigureData, Decisions]:
-    """`figure_data` and `decisions` together, sharing their passes: the full sweep also
-    holds choose's default grids (choose then needs one pass: refinement and bootstrap);
-    the per-step pass is robust and gives drift; compare --budget takes choose's settings.
-    Passes: sweep, choose, per step, per bucket, compare (both pairs, numpy), by length
-    (pre-pass + replay; none without sample_id) = 7 reads of the log."""
+    """`figure_data` and `decisions` together, from ONE read of the log for all but the
+    by-length figure (`engine.replay_together`): the full sweep (with choose's first grids
+    and the two compared settings, keeping its tail: choose's refinement and bootstrap and
+    both compare tables come from the kept tokens, tail_counts.py), the chosen settings per
+    step (robust: drift) and per q bucket, and inspect's checks of the same batches (into
+    `summary["summary"]` when a dict is given). The by-length table is its own replay (a
+    pre-pass counts each sequence's tokens first: 2 reads of a few columns; none without
+    sample_id). A tail that does not settle something (the simple path, a float32 replay)
+    costs the pass it replaces."""
+    from .inspect import Checks, summarize
+
     plan = ingest.plan_sources(sources, options)
     chosen = (
         [parse_rule(s) if isinstance(s, str) else s for s in settings]
@@ -146,20 +153,42 @@ def report_data(
         else default_settings(plan.columns)
     )
     names = [r for r in DECISION_RULES if all(c in plan.columns for c in parse_rule(r).needs)]
+    unit = "sequence" if "sample_id" in plan.columns else "step"
     with engine.use_precision(precision):
         p = engine.current_precision()
         sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
-        cjobs = choice_jobs([parse_rule(r) for r in names], True)
+        cjobs = [first_job(j) for j in choice_jobs([parse_rule(r) for r in names], True)]
+        pair_jobs = [engine.single_job(parse_rule(r)) for r in ("ipo@prime-rl", BUDGET_PAIR[1])]
         if p is not None:
             sweep_jobs = engine.with_precision(sweep_jobs, p)
             cjobs = engine.with_precision(cjobs, p)
+            pair_jobs = engine.with_precision(pair_jobs, p)
         have = {job_key(j) for j in sweep_jobs}
-        extra = [j for j in cjobs if job_key(j) not in have]
-        full = engine.replay(plan, jobs=sweep_jobs + extra, progress=progress, final=True)
+        extra = []
+        for j in [*cjobs, *pair_jobs]:
+            if job_key(j) not in have:
+                have.add(job_key(j))
+                extra.append(j)
+        watched = drift_rules(plan.columns)
+        specs = {r.spec() for r in chosen}
+        step_rules = chosen + [r for r in watched if r.spec() not in specs]
+        checks = Checks(plan.columns)
+        tail = engine.Tail(tail_fraction(target_fraction), count_steps=unit == "step")
+        full, by_step, by_bucket = engine.replay_together(
+            plan,
+            [
+                {"jobs": sweep_jobs + extra, "tail": tail},
+                {"rules": step_rules, "by": "step", "robust": True},
+                {"rules": chosen, "by": "q_bucket"},
+            ],
+            progress=progress,
+            final=True,
+            observers=[checks],
+        )
         full.notes = [*notes, *full.notes]
         res = full.result()
         table = res.table
-        if extra:  # the table is in job order: choose's own jobs are its last rows
+        if extra:  # the table is in job order: the extra jobs are its last rows
             table = table.head(table.height - sum(len(j.values) for j in extra))
         choices = choose(
             plan.files,
@@ -171,16 +200,9 @@ def report_data(
             tally=full,
             curve=True,
         )
-        watched = drift_rules(plan.columns)
-        specs = {r.spec() for r in chosen}
-        step_rules = chosen + [r for r in watched if r.spec() not in specs]
-        by_step = engine.replay(
-            plan, rules=step_rules, by="step", robust=True, progress=progress, final=True
-        )
         steps = by_step.result().table
         if len(step_rules) > len(chosen):
             steps = steps.filter(pl.col("spec").is_in(list(specs)))
-        by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
         pairs = [
             compare_setup(plan, "ipo@prime-rl", BUDGET_PAIR[1], None, None, None, progress),
             compare_setup(
@@ -192,8 +214,15 @@ def report_data(
                 progress,
             ),
         ]
-        at_defaults, at_budget = compare_pass(plan, pairs, 5, progress)
-        by_length = length_table(plan, progress)
+        at_defaults, at_budget = compare_pass(plan, pairs, 5, progress, full)
+        # each sequence's length from the shared read where it dropped no row (with
+        # --drop-invalid, which rows drop depends on the columns read: the pre-pass then)
+        lengths = None
+        if full.has_seq and not full.report.dropped:
+            lengths = (dict(full.seq_keys), full.seq_stats().n.copy())
+        by_length = length_table(plan, progress, lengths)
+    if summary is not None:
+        summary["summary"] = summarize(plan, by_step, full, checks)
     drift_specs = {r.spec() for r in watched}
     which = [ji for ji, j in enumerate(by_step.jobs) if j.rule.spec() in drift_specs]
     n_steps = len(by_step.groups)

@@ -81,15 +81,19 @@ def length_rules(columns: Sequence[str]) -> list[Rule]:
 
 
 def length_table(
-    plan: ingest.Plan, progress: Callable[[int, int], None] | None = None
+    plan: ingest.Plan,
+    progress: Callable[[int, int], None] | None = None,
+    lengths: tuple[dict, np.ndarray] | None = None,
 ) -> pl.DataFrame | None:
     """LENGTH_SETTINGS by sequence-length bucket (`engine.replay(by="length")`: a pre-pass
-    that counts each sequence's loss tokens, then the replay, both on the few columns these
-    rules read); None where the log has no sample_id."""
+    that counts each sequence's loss tokens, unless `lengths` gives them, then the replay,
+    both on the few columns these rules read); None where the log has no sample_id."""
     rules = length_rules(plan.columns)
     if not rules:
         return None
-    tally = engine.replay(plan, rules=rules, by="length", progress=progress, final=True)
+    tally = engine.replay(
+        plan, rules=rules, by="length", progress=progress, final=True, seq_lengths=lengths
+    )
     return tally.result().table
 
 

@@ -71,53 +71,74 @@ def inspect_log(
     """Summarise a log: schema found, counts, invalid rows and mismatch metrics."""
     options = dataclasses.replace(options or ReadOptions(), drop_invalid=True)
     plan = read.plan_sources(sources, options)
-    cols = columns_needed([], "step", plan.columns)
-    dups = DuplicateCheck() if DuplicateCheck.possible(plan.columns) else None
-    if dups is not None:
-        cols = sorted({*cols, "sample_id", "position"})
-    aligned = AlignmentCheck() if AlignmentCheck.possible(plan.columns) else None
-    if aligned is not None:
-        cols = sorted({*cols, *(c for c in ("sample_id", "position") if c in plan.columns)})
+    checks = Checks(plan.columns)
+    cols = sorted({*columns_needed([], "step", plan.columns), *checks.columns})
     tally = Tally([], "step", has_seq="sample_id" in plan.columns)
     total = sum(plan.rows)
     for _, df in read.iter_batches(plan, cols, tally.report):
         if df.height:
             tally.add_batch(df)
-            if dups is not None:
-                dups.add(df)
-            if aligned is not None:
-                aligned.add(df)
+            checks(df)
         if progress is not None:
             progress(tally.report.rows, total)
-    note = dups.warning(plan.files) if dups is not None else None
+    return summarize(plan, tally, tally, checks)
+
+
+class Checks:
+    """inspect's checks of every batch besides the metrics: repeated (step, sample_id,
+    position) rows (`DuplicateCheck`) and the alignment of the two log-prob columns
+    (`AlignmentCheck`), where the log has the columns they read (`columns`). A shared read
+    (the report's) feeds it the batches it reads anyway."""
+
+    def __init__(self, columns: Sequence[str]):
+        self.dups = DuplicateCheck() if DuplicateCheck.possible(columns) else None
+        self.aligned = AlignmentCheck() if AlignmentCheck.possible(columns) else None
+        cols: set[str] = set()
+        if self.dups is not None:
+            cols |= {"sample_id", "position"}
+        if self.aligned is not None:
+            cols |= {c for c in ("sample_id", "position") if c in columns}
+        self.columns = sorted(cols)
+
+    def __call__(self, df: pl.DataFrame) -> None:
+        if self.dups is not None:
+            self.dups.add(df)
+        if self.aligned is not None:
+            self.aligned.add(df)
+
+
+def summarize(plan, by_step: Tally, seq: Tally, checks: Checks) -> Summary:
+    """The Summary from a read's Tally with metrics per step (`by_step`), a Tally that
+    numbered the sequences (`seq`, the same one where it did) and the checks fed its batches."""
+    report = by_step.report
+    note = checks.dups.warning(plan.files) if checks.dups is not None else None
     if note is not None:
-        tally.report.warnings.append(note)
-        warnings.warn(note, IngestWarning, stacklevel=2)
-    for note in aligned.warnings() if aligned is not None else ():
-        tally.report.warnings.append(note)
-        warnings.warn(note, IngestWarning, stacklevel=2)
-    overall = tally.metrics.total().table(None, [None]).to_dicts()[0]
-    invalid = {
-        f"{f}: {c}": n for (f, c), n in tally.report.dropped.items() if not c.startswith("*")
-    }
-    lists = sum(n for (f, c), n in tally.report.dropped.items() if c == "*lists")
+        report.warnings.append(note)
+        warnings.warn(note, IngestWarning, stacklevel=3)
+    for note in checks.aligned.warnings() if checks.aligned is not None else ():
+        report.warnings.append(note)
+        warnings.warn(note, IngestWarning, stacklevel=3)
+    overall = by_step.metrics.total().table(None, [None]).to_dicts()[0]
+    invalid = {f"{f}: {c}": n for (f, c), n in report.dropped.items() if not c.startswith("*")}
+    lists = sum(n for (f, c), n in report.dropped.items() if c == "*lists")
     if lists:
         invalid["sequence rows with unequal list lengths"] = lists
+    aligned = checks.aligned
     return Summary(
         files=[str(p) for p in plan.files],
         format=plan.format,
         source=dict(plan.source),
         layout="sequence rows (list columns)" if plan.per_sequence else "token rows",
         probs=sorted(plan.probs),
-        rows=tally.report.rows,
-        loss_tokens=tally.report.loss_rows,
-        steps=sum(1 for g in tally.groups),
-        sequences=len(tally.seq_keys) if tally.has_seq else None,
+        rows=report.rows,
+        loss_tokens=report.loss_rows,
+        steps=sum(1 for g in by_step.groups),
+        sequences=len(seq.seq_keys) if seq.has_seq else None,
         invalid=invalid,
-        invalid_rows=tally.report.dropped_rows,
+        invalid_rows=report.dropped_rows,
         metrics=overall,
-        per_step=tally.metrics.table("step", tally.groups),
-        warnings=list(dict.fromkeys([*plan.warnings, *tally.report.warnings])),
+        per_step=by_step.metrics.table("step", by_step.groups),
+        warnings=list(dict.fromkeys([*plan.warnings, *report.warnings])),
         alignment=aligned.line() if aligned is not None else "not checked (no sample_id column)",
     )
 

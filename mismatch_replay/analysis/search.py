@@ -15,7 +15,10 @@ stay small; each sub-batch's per-unit counts are multiplied by the units' Poisso
 the weights `engine.replay(bootstrap=)` draws, and added). Sequence rules of either set
 are scored from the first replay's per-sequence statistics, with no pass (`seq_hits`);
 m2po (it ranks whole steps) is refined, never resampled. `refine` runs such passes, with
-REFINE_POINTS = 64 new points per open bracket, until none is open.
+REFINE_POINTS = 64 new points per open bracket, until none is open. Where the first
+replay kept its tail (engine.Tail), the token jobs it covers are counted from the kept
+tokens instead (tail_counts.py: the same counts and replicates), and a pass is made only
+for what is left, often nothing; `tail_fraction` sizes that tail for a target.
 
 `_Units` numbers bootstrap units as the engine does (sequences by first appearance of
 their (step, sample_id), or steps), so the replicates equal the engine's.
@@ -24,6 +27,7 @@ their (step, sample_id), or steps), so the replicates equal the engine's.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,8 +38,25 @@ import polars as pl
 from .. import engine, ingest
 from ..engine import readout
 from ..rules import Rule, parse_grid
+from .tail_counts import TailCounts, suffix_values
 
 REFINE_POINTS = 64
+DENSE_STEP = 16  # points `dense` puts between two default grid points
+FIRST_DENSE = {"token": 3, "step": 64}  # ... in a search's first replay (`first_job`)
+
+
+def tail_fraction(target: float) -> float:
+    """The share of tokens per side of each coordinate a search's first replay keeps
+    (engine.Tail) for a target fraction: room for the bootstrap's widened range above the
+    target, at most 0.25."""
+    return min(0.25, 3.0 * target + 0.001)
+
+
+def dense(values: np.ndarray, m: int = DENSE_STEP) -> np.ndarray:
+    """`values` with m points between each two (geometric on a positive range): a search's
+    first grid where passes are dear (m2po refines in passes of its own; compare --budget)."""
+    pieces = [values] + [grid_between(a, b, m + 2)[1:-1] for a, b in itertools.pairwise(values)]
+    return np.unique(np.concatenate(pieces))
 
 
 def grid_between(a: float, b: float, n: int) -> np.ndarray:
@@ -44,6 +65,15 @@ def grid_between(a: float, b: float, n: int) -> np.ndarray:
     if lo > 0 and hi / lo > 1.0 + 1e-9:
         return np.geomspace(lo, hi, n)
     return np.linspace(lo, hi, n)
+
+
+def first_job(job: engine.Job) -> engine.Job:
+    """A search's first-replay job: the default grid with FIRST_DENSE points between each
+    two values (token rules: so that a bracket's ends sit close to the target and the
+    replay's tail covers them, tail_counts.py; m2po: it refines in passes of its own);
+    sequence rules refine from the sequence sums for free and keep their grid."""
+    m = FIRST_DENSE.get(job.rule.level)
+    return job if m is None else engine.Job(job.rule, job.param, dense(job.values, m))
 
 
 def choice_jobs(rules: Sequence[Rule], target: bool) -> list[engine.Job]:
@@ -114,19 +144,10 @@ class Search:
 SUB_BATCH = 1 << 18  # tokens a grouped sub-batch holds: ~512 units of 512 tokens
 
 
-def suffix_values(job: engine.Job, a: np.ndarray) -> np.ndarray:
-    """Per-bin counts (..., K + 2) in threshold order -> masked at each value (..., K), values
-    ascending (bin j holds the tokens that pass exactly j thresholds)."""
-    rev = np.cumsum(a[..., ::-1], axis=-1)[..., ::-1]
-    inv = np.empty(len(job.values), dtype=np.int64)
-    inv[job.order] = np.arange(len(job.values))
-    return rev[..., inv + 1]
-
-
 def seq_hits(st, job: engine.Job, weights: np.ndarray | None = None) -> np.ndarray:
     """A sequence rule's masked tokens at each value of `job`, from per-sequence statistics
     (the same bins as the engine's); `weights` (B, sequences): per replicate, (B, K)."""
-    from ..fast import bin_scores
+    from ..fast import bin_scores, replicate_bins
 
     b = bin_scores(
         np.asarray(job.rule.score(st, job.param), float),
@@ -136,8 +157,9 @@ def seq_hits(st, job: engine.Job, weights: np.ndarray | None = None) -> np.ndarr
     width = len(job.values) + 2
     if weights is None:
         return suffix_values(job, np.bincount(b, weights=st.n, minlength=width))
-    w = weights * st.n[None, :]
-    return suffix_values(job, np.stack([np.bincount(b, weights=wb, minlength=width) for wb in w]))
+    # weights and token counts are integers: the sums are exact in any order
+    seqs = np.arange(b.shape[0])
+    return suffix_values(job, replicate_bins(seqs, b, st.n, weights.T, width))
 
 
 class _Units:
@@ -184,6 +206,7 @@ class Pass:
     hits: list[np.ndarray | None]  # per refinement job, at each of its values
     reps: list[np.ndarray | None]  # per bootstrap job, (B, K)
     tokens: list[np.ndarray | None]  # per bootstrap job, (B,) replicate tokens
+    read: bool = False  # did it read the log (else main's tail and sequences settled all)
 
 
 def _zero_bins(bins) -> None:
@@ -201,12 +224,26 @@ def one_pass(plan, fine, boot, bootstrap, unit, seed, main, progress) -> Pass:
     grouped by unit, in sub-batches of ~SUB_BATCH tokens so that the groups stay few: each
     sub-batch's per-unit counts are multiplied by the units' Poisson weights and added).
     Sequence rules of either set are scored from `main`'s sequence statistics, with no
-    pass; m2po (step) is refined, never resampled."""
+    pass; m2po (step) is refined, never resampled. Token jobs that `main`'s tail covers
+    (tail_counts.py) are counted from it, with no pass: the same counts and replicates."""
     B = bootstrap
     out = Pass([None] * len(fine), [None] * len(boot), [None] * len(boot))
-    tf = [i for i, j in enumerate(fine) if j.rule.level != "sequence"]
-    tb = [i for i, j in enumerate(boot) if j.rule.level == "token"] if B else []
+    tc = TailCounts.of(main)
+    if tc is not None:  # what main's tail settles needs no pass (tail_counts.py)
+        for i, j in enumerate(fine):
+            if tc.covers(j):
+                out.hits[i] = tc.hits(j)
+        for i, j in enumerate(boot if B and tc.can_resample(unit) else []):
+            if tc.covers(j):
+                out.reps[i], out.tokens[i] = tc.replicates(j, B, unit, seed)
+    tf = [i for i, j in enumerate(fine) if j.rule.level != "sequence" and out.hits[i] is None]
+    tb = (
+        [i for i, j in enumerate(boot) if j.rule.level == "token" and out.reps[i] is None]
+        if B
+        else []
+    )
     if tf or tb:
+        out.read = True
         need = {"trainer_logprob", "inference_logprob", "step"}
         if tb and unit == "sequence":
             need.add("sample_id")
@@ -266,15 +303,17 @@ def one_pass(plan, fine, boot, bootstrap, unit, seed, main, progress) -> Pass:
         st = main.seq_stats()
         for i in sf:
             out.hits[i] = seq_hits(st, fine[i])
-        if sb:
+        if sb and tc is not None and unit == "sequence" and tc.can_resample(unit):
+            w = tc.sequence_weights(B, seed)  # the same draws, made once
+        elif sb:
             main.boot_replicates, main.boot_unit, main.boot_seed = B, unit, seed
             try:
                 w = main.seq_unit_weights()
             finally:
                 main.boot_replicates = 0
-            for i in sb:
-                out.reps[i] = seq_hits(st, boot[i], w)
-                out.tokens[i] = (w * st.n[None, :]).sum(axis=1)
+        for i in sb:
+            out.reps[i] = seq_hits(st, boot[i], w)
+            out.tokens[i] = w @ st.n
     return out
 
 
@@ -295,7 +334,7 @@ def refine(plan, searches, target: float, tol: float, rounds: int, main, progres
         res = one_pass(plan, fine, [], 0, None, 0, main, progress)
         for s, job, hits in zip(todo, fine, res.hits, strict=True):
             s.add(job.values, hits)
-            s.passes += job.rule.level != "sequence"
+            s.passes += res.read and job.rule.level != "sequence"
 
 
 def job_key(j: engine.Job) -> tuple:

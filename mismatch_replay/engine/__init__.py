@@ -12,11 +12,15 @@ by rule) is its reference. Sequence rules are scored at the end from per-sequenc
 (sequences.py, one row per statistic of rules.SEQ_STATS); m2po ranks each step's tokens
 from a per-step store that spills to disk (m2po.py). The readout (readout.py) turns bins
 into the long sweep table. `replay` / `sweep` (replay.py) stream a log through it, reading
-ahead in a thread (stream.py); the Ray engine (ray.py) computes the same Tally per shard and
-adds them up: every piece of a Tally is a sum, a max or a min.
+ahead in a thread (stream.py), and `replay_together` feeds several Tallies from one read;
+the Ray engine (ray.py) computes the same Tally per shard and adds them up: every piece of
+a Tally is a sum, a max or a min.
 
-Modules, each importing only those before it: bins, jobs, sequences, m2po, readout, tally,
-stream, ray, replay. The names below are what the rest of the package uses.
+A replay may also keep the tokens beyond per-coordinate cutoffs (tail.py), so that counts
+at thresholds chosen after the pass (choose, compare) need no second pass.
+
+Modules, each importing only those before it: bins, jobs, sequences, m2po, readout, tail,
+tally, stream, ray, replay. The names below are what the rest of the package uses.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from .jobs import (
     with_precision,
 )
 from .m2po import M2PO_MEMORY_ENV, M2PO_MEMORY_MIB, M2PO_SPILL_PREFIX, M2POStore, reclaim_spills
-from .replay import ENGINES, MATCH, replay, sweep
+from .replay import ENGINES, MATCH, replay, replay_together, sweep
 from .stream import (
     check_loss_tokens,
     clear_alignment_warnings,
@@ -53,6 +57,7 @@ from .stream import (
     prefetch,
     shard_tally,
 )
+from .tail import Tail
 from .tally import GROUP_KEYS, SweepResult, Tally
 
 __all__ = [
@@ -73,6 +78,7 @@ __all__ = [
     "JobBins",
     "M2POStore",
     "SweepResult",
+    "Tail",
     "Tally",
     "check_loss_tokens",
     "check_precision",
@@ -86,6 +92,7 @@ __all__ = [
     "prefetch",
     "reclaim_spills",
     "replay",
+    "replay_together",
     "scatter_edges",
     "shard_tally",
     "single_job",

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import fast
+
 # --by q_bucket: inference-probability buckets, labelled by their lower edge.
 Q_BUCKET_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
 # The scatter: fixed 2-D histograms of (q, p), additive like everything else in a Tally.
@@ -187,15 +189,41 @@ def suffix(a: np.ndarray) -> np.ndarray:
 
 
 _POISSON1_CDF = np.cumsum([math.exp(-1.0) / math.factorial(k) for k in range(25)])
+# u * 2**-53 >= cdf[k] iff the integer u >= ceil(cdf[k] * 2**53) (a power-of-two scaling:
+# exact), so the kernel's search compares integers (cdf[k] < 1: fits in uint64)
+_POISSON1_ICDF = np.array([math.ceil(c * 2.0**53) for c in _POISSON1_CDF], dtype=np.uint64)
 
 
-def poisson_weights(units: np.ndarray, replicates: int, seed: int) -> np.ndarray:
-    """Poisson(1) bootstrap weights, shape (replicates, units), a pure function of the unit id.
+def poisson_weights(
+    units: np.ndarray, replicates: int, seed: int, transposed: bool = False
+) -> np.ndarray:
+    """Poisson(1) bootstrap weights, shape (replicates, units), a pure function of the unit id
+    (`transposed`: (units, replicates)).
 
     A counter-based hash (splitmix64 of unit id, replicate and seed) makes each unit's weight
     the same in every batch and file it appears in, so the bootstrap streams: the weighted
-    counts of each replicate are accumulated batch by batch, with no second pass.
+    counts of each replicate are accumulated batch by batch, with no second pass. On the
+    fused backend the kernel `jit.poisson_weights_t` draws the same weights bit for bit
+    (integer hashing, an exact conversion, the same search); numpy otherwise.
     """
+    j = fast.compiled()
+    if j is not None and units.size * replicates >= 1 << 16:
+        out = np.empty((units.shape[0], replicates), dtype=np.float64)
+        ids = units.astype(np.int64)
+        cuts = np.linspace(0, ids.shape[0], fast.threads() + 1).astype(np.int64)
+
+        def part(k: int) -> None:  # the kernel releases the GIL: one slice per core
+            a, b = cuts[k], cuts[k + 1]
+            j.poisson_weights_t(ids[a:b], replicates, seed, _POISSON1_ICDF, out[a:b])
+
+        list(fast.executor(len(cuts) - 1).map(part, range(len(cuts) - 1)))
+        return out if transposed else out.T
+    w = poisson_weights_numpy(units, replicates, seed)
+    return np.ascontiguousarray(w.T) if transposed else w
+
+
+def poisson_weights_numpy(units: np.ndarray, replicates: int, seed: int) -> np.ndarray:
+    """`poisson_weights` in numpy, (replicates, units): the reference."""
     u = units.astype(np.uint64)[None, :]
     r = np.arange(replicates, dtype=np.uint64)[:, None]
     with np.errstate(over="ignore"):

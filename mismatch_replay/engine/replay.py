@@ -16,6 +16,7 @@ in benchmarks/README.md.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from ..rules import Rule, spec_warnings
 from . import ray as ray_engine
 from . import stream
 from .jobs import Job, check_jobs, check_precision, current_precision, plan_jobs, with_precision
+from .tail import EXTRA as TAIL_EXTRA
+from .tail import Tail
 from .tally import SweepResult, Tally
 
 ENGINES = ("local", "ray")
@@ -49,6 +52,8 @@ def replay(
     ray_address: str | None = None,
     final: bool = False,
     precision: str | None = None,
+    tail: Tail | None = None,
+    seq_lengths: tuple[dict, np.ndarray] | None = None,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
 
@@ -73,7 +78,10 @@ def replay(
     `bootstrap=(replicates, unit, seed)` also accumulates Poisson-bootstrap replicates of every
     token rule's per-bin counts over units "sequence" or "step" (analysis.choose uses it).
     `robust=True` keeps per-group k3 histograms and top-k3 tokens (analysis.drift uses it).
-    `jobs` replaces rules and sweeps with ready-made jobs.
+    `seq_lengths` (by="length"): each sequence's id and loss tokens, as another replay of the
+    same rows counted them (Tally.seq_keys, seq_stats().n), instead of the pre-pass.
+    `jobs` replaces rules and sweeps with ready-made jobs. `tail` (tail.py) is filled with
+    the tokens beyond its per-coordinate cutoffs (fused path only; else it says why not).
 
     `engine="ray"` computes the same Tally per file on a Ray cluster (ray.py;
     `ray_address` attaches to a running one, else `ray.init()` decides) and adds them up.
@@ -98,9 +106,26 @@ def replay(
                 "--engine ray)."
             )
         tally = ray_engine.replay(plan, jobs, by, address=ray_address, progress=progress)
+        if tail is not None:
+            tail.refuse("the Ray engine")
         tally.notes = [*notes, *tally.notes]
         tally.rule_warnings = spec_warnings(rules or [])
         return tally
+    tally, cols, keep = _local_tally(
+        plan, jobs, notes, by, match, bootstrap, robust, tail, precision, seq_lengths
+    )
+    (dropped_zero,) = _stream(plan, [(tally, cols, keep)], progress, final, ())
+    if match is not None:
+        tally.notes.append(
+            f"prime-rl conventions: {dropped_zero:,} zero-advantage loss tokens left out; "
+            "is_masked_mean = mean over sequences of per-sequence masked fractions"
+        )
+    tally.rule_warnings = spec_warnings(rules or [])
+    return tally
+
+
+def _local_tally(plan, jobs, notes, by, match, bootstrap, robust, tail, precision, lengths=None):
+    """The Tally of a local replay, the columns it reads and its row filter (--match)."""
     available = plan.columns
     cols = stream.columns_needed(jobs, by, available)
     keep = None
@@ -122,22 +147,28 @@ def replay(
 
     if robust and "position" in available and "position" not in cols:
         cols = [*cols, "position"]
-    if match is not None or by == "length":
+    if match is None and by == "length" and lengths is not None:
+        pre = lengths
+    elif match is not None or by == "length":
         pre = stream.count_sequences(plan, cols, keep)
     inv_n = None if pre is None or match is None else 1.0 / pre[1]
+    has_seq = "sample_id" in cols
+    if tail is not None:  # the kept tokens' own columns (compare's examples name them)
+        cols = [*cols, *(c for c in TAIL_EXTRA if c in available and c not in cols)]
     tally = Tally(
         jobs,
         by,
-        has_seq="sample_id" in cols,
+        has_seq=has_seq,
         has_adv="advantage" in cols,
         inv_n=inv_n,
         seq_len=None if pre is None or by != "length" else pre[1].astype(np.int64),
-        has_pgroup="group_id" in cols and "sample_id" in cols,
+        has_pgroup="group_id" in cols and has_seq,
         precision=precision,
     )
     if pre is not None:
         tally.seq_keys = dict(pre[0])
     tally.robust = robust
+    tally.tail = tail
     if bootstrap is not None:
         tally.boot_replicates, tally.boot_unit, tally.boot_seed = bootstrap
         if tally.boot_unit == "sequence" and not tally.has_seq:
@@ -146,40 +177,104 @@ def replay(
                 "use --bootstrap-unit step, or map one with --map sample_id=COLUMN."
             )
     tally.notes = notes
+    return tally, cols, keep
+
+
+def _stream(plan, parts, progress, final: bool, observers) -> list[int]:
+    """One read of the log into every (tally, columns, row filter) of `parts`: the union
+    of their columns is read once, each Tally gets its own columns of each batch;
+    `observers` (callables) see every batch with all the columns. Returns, per part, the
+    rows its filter left out."""
+    dropped = [0] * len(parts)
+    cols = sorted({c for _, cs, _ in parts for c in cs})
     total = sum(plan.rows)
-    dropped_zero = 0
     # m2po's steps are resolved as soon as the rows still to come cannot hold them (sorted
     # logs: one step at a time, so its store stays small); None: all at the end
-    m2po = final and any(j.rule.level == "step" for j in jobs)
+    m2po = final and any(j.rule.level == "step" for t, _, _ in parts for j in t.jobs)
     bounds = step_bounds(plan) if m2po else None
-    report = tally.report
+    report = parts[0][0].report
     checked = False
     batches = ((df, report.rows) for _, df in iter_batches(plan, cols, report))
     for df, rows in stream.prefetch(batches):  # rows: raw rows read up to this batch
-        if keep is not None:
-            before = df.height
-            df = keep(df)
-            dropped_zero += before - df.height
         if df.height and not checked:  # are the two columns about the same tokens?
             checked = True
             stream.warn_alignment(plan, df)
-        if df.height:
-            tally.add_batch(df)
+        for obs in observers:
+            if df.height:
+                obs(df)
+        for k, (tally, tcols, keep) in enumerate(parts):
+            part = df if len(parts) == 1 and tcols == cols else df.select(tcols)
+            if keep is not None:
+                before = part.height
+                part = keep(part)
+                dropped[k] += before - part.height
+            if part.height:
+                tally.add_batch(part)
         if bounds is not None:
             done = bisect.bisect_right(bounds[0], rows)  # row groups read to their end
             if done:
-                tally.seal_m2po(bounds[1][done - 1], background=True)
+                for tally, _, _ in parts:
+                    tally.seal_m2po(bounds[1][done - 1], background=True)
         if progress is not None:
-            progress(tally.report.rows, total)
-    tally.wait_m2po()
-    stream.check_loss_tokens(plan, tally)
-    if match is not None:
-        tally.notes.append(
-            f"prime-rl conventions: {dropped_zero:,} zero-advantage loss tokens left out; "
-            "is_masked_mean = mean over sequences of per-sequence masked fractions"
+            progress(report.rows, total)
+    for tally, _, _ in parts:
+        if tally.report is not report:  # the read's counts, as a read of its own would give
+            tally.report = dataclasses.replace(
+                report, dropped=dict(report.dropped), warnings=list(report.warnings)
+            )
+        tally.wait_m2po()
+        stream.check_loss_tokens(plan, tally)
+    return dropped
+
+
+def replay_together(
+    sources: Sequence[str | Path] | Plan,
+    parts: Sequence[dict],
+    options: ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    final: bool = False,
+    observers: Sequence[Callable[[pl.DataFrame], None]] = (),
+) -> list[Tally]:
+    """Several local replays in ONE read of the log: each part is replay()'s keywords
+    (rules / sweeps / jobs, by, robust, tail, precision; not match, bootstrap, by="length" or
+    Ray, which have passes of their own) and gets the Tally replay() would give it.
+    `observers` see every batch (e.g. inspect's duplicate and alignment checks)."""
+    plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
+    built = []
+    warned = []
+    for kw in parts:
+        bad = {"match", "bootstrap", "engine"} & set(kw)
+        if bad or kw.get("by") == "length":
+            raise UsageError(
+                f"replay_together: {sorted(bad) or 'by=length'} needs a replay of its own"
+            )
+        jobs = kw.get("jobs")
+        if jobs is None:
+            jobs, notes = plan_jobs(kw.get("rules"), kw.get("sweeps"), plan.columns)
+        else:
+            jobs, notes = check_jobs(jobs, plan.columns, str(plan.files[0])), []
+        precision = kw.get("precision") or current_precision()
+        if precision is not None:
+            jobs = with_precision(jobs, check_precision(precision))
+        precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
+        built.append(
+            _local_tally(
+                plan,
+                jobs,
+                notes,
+                kw.get("by"),
+                None,
+                None,
+                kw.get("robust", False),
+                kw.get("tail"),
+                precision,
+            )
         )
-    tally.rule_warnings = spec_warnings(rules or [])
-    return tally
+        warned.append(spec_warnings(kw.get("rules") or []))
+    _stream(plan, built, progress, final, observers)
+    for (tally, _, _), w in zip(built, warned, strict=True):
+        tally.rule_warnings = w
+    return [t for t, _, _ in built]
 
 
 def sweep(*args, **kwargs) -> SweepResult:

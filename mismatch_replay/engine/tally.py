@@ -15,7 +15,9 @@ then reports the sequences it touches). Its parts, each with one owner:
 - m2po (`m2po_part`, m2po.py: the per-step store and the bins of the steps resolved);
 - the scatter (`hist_lin`, `hist_log`) and the metrics (`metrics`);
 - with bootstrap=, the Poisson replicates of the token jobs' counts (`boot_*`); with
-  robust=, per-group log10 k3 histograms and top tokens (`k3_hist`, `top`).
+  robust=, per-group log10 k3 histograms and top tokens (`k3_hist`, `top`); with a
+  `tail` (tail.py, fused path only), the tokens beyond per-coordinate cutoffs, kept for
+  exact counts at thresholds chosen after the pass.
 
 Two paths fill the token bins. The *fused* one (fast/: numba) bins each token's
 coordinates once for every token job the program derives from the rules' score(), with the
@@ -50,15 +52,12 @@ from ..ingest import ReadReport
 from ..metrics import MetricSums
 from ..rules import LOG_CLAMP, SeqStats, TokenBatch
 from .bins import (
-    K3_BINS,
     Q_BUCKET_EDGES,
     SCATTER_BINS,
     SCATTER_LOG10_MIN,
-    TOP_TOKENS,
     Grow,
     JobBins,
     accumulate,
-    k3_bin,
     length_bucket,
     new_bins,
     poisson_weights,
@@ -69,9 +68,13 @@ from .bins import (
 from .jobs import Job
 from .m2po import M2POStore, M2POTally
 from .readout import sweep_table
+from .robust import add_robust
 from .sequences import SUMS, Sequences, partials
+from .tail import Tail
 
 GROUP_KEYS = ("step", "env", "q_bucket", "length")
+_NONE = np.zeros(0, dtype=np.int64)
+_Q_EDGES = np.asarray(Q_BUCKET_EDGES, dtype=np.float64)
 
 
 @dataclass
@@ -124,6 +127,8 @@ class Tally:
     boot_counts: dict[int, np.ndarray] = field(default_factory=dict)  # (B, K + 2) per job
     boot_tokens: np.ndarray | None = None  # (B,) weighted loss tokens
     robust: bool = False
+    # the tokens beyond per-coordinate cutoffs, kept for exact counts after the pass (tail.py)
+    tail: Tail | None = None
     k3_hist: np.ndarray | None = None  # (G, K3_BINS + 1) token counts
     k3_hist_sum: np.ndarray | None = None  # (G, K3_BINS + 1) sum of k3 per bin
     top: dict = field(default_factory=dict)  # group index -> {"k3", "step", "sample_id", ...}
@@ -190,9 +195,7 @@ class Tally:
                 z.flags.writeable = False
             return z[: df.height]
         if self.by == "q_bucket":
-            q = pmath.exp(df["inference_logprob"].to_numpy())
-            col = pl.Series("q_bucket", np.asarray(Q_BUCKET_EDGES)[q_bucket(q)])
-            df = pl.DataFrame([col])
+            return self._q_bucket_codes(df["inference_logprob"].to_numpy())
         else:
             col = df[self.by]
         u = col.unique(maintain_order=True).to_list()
@@ -209,6 +212,28 @@ class Tally:
             .to_numpy()
             .astype(np.int64)
         )
+
+    def _q_bucket_codes(self, lq: np.ndarray) -> np.ndarray:
+        """--by q_bucket: each token's group, its q's bucket (bins.q_bucket; on the fused
+        backend the kernel's exp, the same bits), groups registered by first appearance."""
+        j = fast.compiled()
+        if j is not None:
+            b = np.empty(lq.shape[0], dtype=np.int64)
+            first = np.full(_Q_EDGES.shape[0], -1, dtype=np.int64)
+            j.q_bucket_codes(np.ascontiguousarray(lq, dtype=np.float64), _Q_EDGES, b, first)
+            present = np.flatnonzero(first >= 0)
+            first = first[present]
+        else:
+            b = q_bucket(pmath.exp(lq))
+            present, first = np.unique(b, return_index=True)
+        lut = np.full(_Q_EDGES.shape[0], -1, dtype=np.int64)
+        for k in present[np.argsort(first)].tolist():
+            label = float(_Q_EDGES[k])
+            if label not in self._gidx:
+                self._gidx[label] = len(self.groups)
+                self.groups.append(label)
+            lut[k] = self._gidx[label]
+        return lut[b]
 
     def _length_codes(self, gid: np.ndarray) -> np.ndarray:
         """--by length: each token's group is its sequence's length bucket (from the
@@ -295,9 +320,17 @@ class Tally:
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
         self.version += 1
         if fused is None:
+            if self.tail is not None:  # nothing kept: its consumers make a pass instead
+                self.tail.refuse(f"the simple path ({self._fused_off})")
+                self.tail.add(_NONE, _NONE, df, lp, lq, adv, None)
             self._add_batch_numpy(df, TokenBatch(lp, lq, adv), g, G, ent, seq)
             return
         inv_tok = self.inv_n[seq[0]] if self.inv_n is not None else None
+        tail_cut = None
+        if self.tail is not None:
+            if self.tail.cut is None:
+                self.tail.set_cutoffs(fused.p.coords, TokenBatch(lp, lq, adv))
+            tail_cut = self.tail.cut
         lin_w = 1.0 / SCATTER_BINS
         log_w = (0.0 - SCATTER_LOG10_MIN) / SCATTER_BINS
         into = None if slab is None else (slab.arrays[0][: len(lp)], slab.arrays[1][: len(lp)])
@@ -315,7 +348,13 @@ class Tally:
             m2po_into=into,
             scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
             log_clamp=LOG_CLAMP,
+            tail_cut=tail_cut,
+            q_edges=_Q_EDGES if self.tail is not None else None,
         )
+        if self.tail is not None:
+            idx, bits = out.tail if out.tail is not None else (_NONE, _NONE.astype(np.uint32))
+            self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None)
+            self.tail.add_q_counts(out.q_counts)
         self.metrics.add_sums(out.msum, out.mmax, G)
         self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
         self.hist_log += out.hist_log.reshape(SCATTER_BINS, SCATTER_BINS)
@@ -359,7 +398,7 @@ class Tally:
                 self._add_job_numpy(ji, self.jobs[ji], sub, g[idx], G, sseq, None)
         if self.robust:
             tb = tb if tb is not None else TokenBatch(lp, lq, adv)
-            self._add_robust(df, tb, g, G)
+            add_robust(self, df, tb, g, G)
 
     def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq) -> None:
         """The simple path: numpy, rule by rule (the reference for the fused path)."""
@@ -370,7 +409,7 @@ class Tally:
             self.sequences.add_numpy(tb, ts, g, seq, self.clamped_seq)
         boot = self._boot_units(df, seq) if self.boot_replicates else None
         if self.robust:
-            self._add_robust(df, tb, g, G)
+            add_robust(self, df, tb, g, G)
         if self.m2po_part.jobs:
             ts = tb.at(self.precision)  # l^2 in the replay's arithmetic
             with np.errstate(over="ignore"):  # inf for absurd l: masked first
@@ -443,37 +482,6 @@ class Tally:
         state["_scratch"] = {}  # per-batch buffers: nothing to ship
         state["_prompt_cache"] = None
         return state
-
-    def _add_robust(self, df: pl.DataFrame, tb: TokenBatch, g: np.ndarray, G: int) -> None:
-        width = K3_BINS + 1
-        for name in ("k3_hist", "k3_hist_sum"):
-            a = getattr(self, name)
-            if a is None:
-                a = np.zeros((0, width))
-            if a.shape[0] < G:
-                a = np.vstack([a, np.zeros((G - a.shape[0], width))])
-            setattr(self, name, a)
-        k3 = np.clip(tb.l, -LOG_CLAMP, LOG_CLAMP)
-        k3 = pmath.expm1(k3) - k3
-        idx = g * width + k3_bin(k3)
-        self.k3_hist += np.bincount(idx, minlength=G * width).reshape(G, width)
-        self.k3_hist_sum += np.bincount(idx, weights=k3, minlength=G * width).reshape(G, width)
-        extra = {c: df[c].to_numpy() for c in ("step", "sample_id", "position") if c in df.columns}
-        order = np.lexsort((-k3, g))  # by group, k3 descending
-        gs = g[order]
-        starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
-        for st in starts:
-            gi = int(gs[st])
-            sel = order[st : st + TOP_TOKENS]
-            sel = sel[g[sel] == gi]
-            new = {"k3": k3[sel], "p": tb.p[sel], "q": tb.q[sel]} | {
-                c: v[sel] for c, v in extra.items()
-            }
-            old = self.top.get(gi)
-            if old is not None:
-                new = {c: np.concatenate([old[c], new[c]]) for c in new}
-            keep = np.argsort(-new["k3"], kind="stable")[:TOP_TOKENS]
-            self.top[gi] = {c: v[keep] for c, v in new.items()}
 
     def _boot_units(self, df: pl.DataFrame, seq):
         """(distinct units, per-token unit index, (B, units) Poisson weights) of a batch."""

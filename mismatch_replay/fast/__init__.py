@@ -47,6 +47,7 @@ from .runner import (
     compiled,
     executor,
     m2po_step_bins,
+    replicate_bins,
     threads,
     use_backend,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "make_coord_binner",
     "plan_job",
     "reference_bins",
+    "replicate_bins",
     "sample_bins",
     "threads",
     "use_backend",

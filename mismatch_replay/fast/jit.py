@@ -26,7 +26,7 @@ from .vmath import vexp, vexpm1, vlog
 INF = math.inf
 
 # flags
-F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO, F_W = range(8)
+F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO, F_W, F_TAIL, F_QB = range(10)
 # coordinates (coordinates.COORDINATES gives their names and codes)
 C_DP, C_L, C_KPOP, C_BKL_QP = range(4)
 
@@ -221,6 +221,11 @@ def coord_pass(
     us,
     b_pq,
     b_qp,
+    tcut,
+    tkeep,
+    tbits,
+    qedges,
+    qcnt,
 ):
     """Tokens lo..hi-1 of a batch: every coordinate's intervals, metrics, scatter, sums.
 
@@ -234,6 +239,11 @@ def coord_pass(
     consts: [LOG_CLAMP, scatter lin lo, lin width, log lo, log width, ln 10, bins].
     clamps: (C, 4) rows of [c, log(c), log1p(-c), 1 - c]. fs (N_FSCRATCH, BLOCK) float64,
     us (N_USCRATCH, BLOCK) uint64 (rows 0 and 3 zero), b_pq and b_qp (C or 1, BLOCK): scratch.
+    With flags[F_TAIL], a token whose coordinate c is <= tcut[c, 0] or >= tcut[c, 1], lies
+    inside a window, or falls in an interval where tkeep (hwidth,) is set (a fixed side of
+    some job masks it there) gets bit c in tbits (the engine keeps it: engine/tail.py).
+    With flags[F_QB], qcnt[k] counts the tokens whose q falls in [qedges[k], qedges[k + 1])
+    (np.searchsorted(qedges, q, "right") - 1; qedges[0] = 0).
     """
     has_adv = flags[F_ADV] != 0
     has_seq = flags[F_SEQ] != 0
@@ -243,6 +253,9 @@ def coord_pass(
     do_scatter = flags[F_SCATTER] != 0
     do_m2po = flags[F_M2PO] != 0
     do_w = flags[F_W] != 0
+    do_tail = flags[F_TAIL] != 0
+    do_qb = flags[F_QB] != 0
+    nqe = qedges.shape[0]
     ncoord = ckind.shape[0]
     nclamp = clamps.shape[0]
     clampv = consts[0]
@@ -329,6 +342,13 @@ def coord_pass(
                 qp = t2 + cb * (lcb - lca)
                 b_pq[c, t] = pq
                 b_qp[c, t] = qp
+        if do_qb:  # the tokens of each inference-probability bucket
+            for t in range(nb):
+                qv = b_q[t]
+                k = 0
+                while k + 1 < nqe and qv >= qedges[k + 1]:
+                    k += 1
+                qcnt[k] += 1.0
         # ---- classes, metrics, sequences, m2po
         for t in range(nb):
             i = start + t
@@ -512,14 +532,25 @@ def coord_pass(
                 b_bin[t] = bin_coord(
                     x, kj, edges, tj, lut, lj, nlj, klj, khj, shj, tyj, nzj, gpj, kpj, lflag
                 )
+            if do_tail:  # the tails the engine keeps (a rare, well-predicted branch)
+                tlo = tcut[c, 0]
+                thi = tcut[c, 1]
+                for t in range(nb):
+                    x = sc[t]
+                    if x <= tlo or x >= thi:
+                        tbits[start + t] |= bit
             for t in range(nb):
                 b = b_bin[t]
                 if b & _U1:  # inside a window: the simple path decides
                     tflag[start + t] |= bit
+                    if do_tail:
+                        tbits[start + t] |= bit
                     nf += 1
                     continue
                 m = b >> _U1
                 cls = b_cls[t] * ma + b_lc[t] * ml
+                if do_tail and tkeep[ho + cls * m1 + m]:
+                    tbits[start + t] |= bit
                 h = b_gw[t] + ho + cls * m1 + m
                 h2 = h + h  # count and |dp| mass side by side: one cache line a token
                 cmf[h2] += 1.0
@@ -729,3 +760,67 @@ def check_column(x, limit):
             return 2
         pos |= v > 0
     return 1 if pos else 0
+
+
+_PW_C1 = np.uint64(0x9E3779B97F4A7C15)
+_PW_C2 = np.uint64(0xD1B54A32D192ED03)
+_PW_C3 = np.uint64(0xBF58476D1CE4E5B9)
+_PW_C4 = np.uint64(0x94D049BB133111EB)
+_PW_SEED = np.uint64(1_000_003)
+
+
+@njit(nogil=True, cache=True)
+def poisson_weights_t(units, replicates, seed, icdf, out):
+    """out[i, r] = the Poisson(1) weight of unit units[i] in replicate r: engine.bins'
+    poisson_weights (the same splitmix64 hash, bit for bit), written units-major. icdf[k]
+    = ceil(cdf[k] * 2**53): u * 2**-53 >= cdf[k] iff u >= icdf[k] (exact), so the inverse-
+    CDF search compares integers."""
+    s = np.uint64(seed) * _PW_SEED
+    nc = icdf.shape[0]
+    rterm = np.empty(replicates, np.uint64)
+    for r in range(replicates):
+        rterm[r] = (np.uint64(r) + s) * _PW_C2
+    for i in range(units.shape[0]):
+        uz = np.uint64(units[i]) * _PW_C1
+        for r in range(replicates):
+            z = uz + rterm[r]
+            z ^= z >> np.uint64(30)
+            z *= _PW_C3
+            z ^= z >> np.uint64(27)
+            z *= _PW_C4
+            z ^= z >> np.uint64(31)
+            m = z >> np.uint64(11)
+            k = 0
+            while k < nc and m >= icdf[k]:
+                k += 1
+            out[i, r] = k
+
+
+@njit(nogil=True, cache=True)
+def add_replicates(unit, bins, mult, wt, out):
+    """out[bins[i], r] += mult[i] * wt[unit[i], r] for every entry i and replicate r: a
+    bootstrap's replicate counts per bin, entry by entry (integers in float64: exact in any
+    order)."""
+    nr = wt.shape[1]
+    for i in range(unit.shape[0]):
+        u = unit[i]
+        b = bins[i]
+        m = mult[i]
+        for r in range(nr):
+            out[b, r] += m * wt[u, r]
+
+
+@njit(nogil=True, cache=True)
+def q_bucket_codes(lq, edges, out, first):
+    """out[i] = np.searchsorted(edges, q, "right") - 1 for q = exp(lq[i]) (vmath's exp, the
+    bits of pmath's): each token's inference-probability bucket (edges ascending from 0);
+    first[k] = the first token in bucket k (-1: none; the caller fills it with -1)."""
+    ne = edges.shape[0]
+    for i in range(lq.shape[0]):
+        q = vexp(lq[i])
+        k = 0
+        while k + 1 < ne and q >= edges[k + 1]:
+            k += 1
+        out[i] = k
+        if first[k] < 0:
+            first[k] = i

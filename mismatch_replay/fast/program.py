@@ -648,6 +648,17 @@ class Program:
         self.lut = np.concatenate(luts) if cs else np.zeros(0, dtype)
         # weights (tis, cispo) are functions of l: the l coordinate keeps their sums
         self.weights = bool(self.weighted.any())
+        # per (coordinate, class, interval): does some slot's fixed side mask it (bin K + 1,
+        # a score of +inf), or a single setting (K = 1) mask it at all? The engine's tail
+        # keeps those tokens (engine/tail.py): a setting's masked tokens are all kept
+        self.fixed_side = np.zeros(max(self.hwidth, 1), np.uint8)
+        for ci, c in enumerate(cs):
+            jb = c.jobbin[:, :, : c.intervals]
+            k = self.k[c.slots]
+            keep_from = np.where(k == 1, 1, k + 1)
+            fixed = (jb >= keep_from[:, None, None]).any(axis=0)
+            o = int(self.choff[ci])
+            self.fixed_side[o : o + fixed.size] = fixed.ravel()
         if not cs:
             self.ct0 = self.cl0 = np.zeros(0, np.int64)
             self.choff = self.csoff = np.zeros(0, np.uint64)

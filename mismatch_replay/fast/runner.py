@@ -221,6 +221,23 @@ def bin_scores(score: np.ndarray, thr_sorted: np.ndarray, inclusive: bool) -> np
     return out
 
 
+def replicate_bins(unit, bins, mult, wt: np.ndarray, width: int) -> np.ndarray:
+    """(B, width) per-replicate sums: entry i adds mult[i] * wt[unit[i], r] to bin bins[i] of
+    replicate r (wt: (units, B) bootstrap weights). Weights and multiplicities are integers,
+    so the sums are exact in any order: the kernel (`jit.add_replicates`) and numpy agree."""
+    unit = np.ascontiguousarray(unit, dtype=np.int64)
+    bins = np.ascontiguousarray(bins, dtype=np.int64)
+    mult = np.ascontiguousarray(mult, dtype=np.float64)
+    j = compiled()
+    if j is None:
+        out = np.zeros((width, wt.shape[1]))
+        np.add.at(out, bins, mult[:, None] * wt[unit])
+        return out.T
+    out = np.zeros((width, wt.shape[1]))
+    j.add_replicates(unit, bins, mult, np.ascontiguousarray(wt, dtype=np.float64), out)
+    return out.T
+
+
 # ----------------------------------------------------------------------------- state
 
 N_SUMS = 15  # metrics.MetricSums._SUMS order
@@ -245,6 +262,9 @@ class BatchOut:
     seq_first: np.ndarray  # (m,) group of the sequence's first token in this batch
     m2po_x: np.ndarray | None  # (n,) l^2
     m2po_mass: np.ndarray | None  # (n,) |dp|
+    # with tail_cut: the tokens beyond a cutoff (indices) and their coordinates' bits
+    tail: tuple[np.ndarray, np.ndarray] | None = None
+    q_counts: np.ndarray | None = None  # with q_edges: tokens per q bucket
 
 
 def _ro(a, dtype) -> np.ndarray:
@@ -257,6 +277,7 @@ def _ro(a, dtype) -> np.ndarray:
 _E1 = np.zeros(1, np.float64)
 _E2 = np.zeros((1, 1), np.float64)
 _EI1 = np.zeros(1, np.int64)
+_EU1 = np.zeros(1, np.uint32)
 _EMPTY = np.iinfo(np.int64).max  # a sequence's lowest interval before it has one
 
 
@@ -383,9 +404,15 @@ class Fused:
         scatter_consts: tuple[float, float, float, float, int] = (0.0, 0.005, -8.0, 0.04, 200),
         log_clamp: float = 20.0,
         m2po_into: tuple[np.ndarray, np.ndarray] | None = None,
+        tail_cut: np.ndarray | None = None,
+        q_edges: np.ndarray | None = None,
     ) -> BatchOut:
         """One batch through the kernel. `m2po_into`: two float64 arrays of len(lp) that
-        m2po's l^2 and |dp| are written into (its store's leased slab), else the runner's."""
+        m2po's l^2 and |dp| are written into (its store's leased slab), else the runner's.
+        `tail_cut` ((coordinates, 2) float64, in `coords` order): the tokens whose coordinate
+        c is <= tail_cut[c, 0] or >= tail_cut[c, 1], or that a job's fixed side masks
+        (`Program.fixed_side`), or inside a window, come back in `BatchOut.tail`. `q_edges`
+        (ascending, from 0): `BatchOut.q_counts` holds the tokens of each q bucket."""
         j = compiled()
         p = self.p
         n = len(lp)
@@ -404,6 +431,12 @@ class Fused:
         smn = np.full((nt, ms, sw), _EMPTY, np.int64)
         smx = np.full((nt, ms, sw), -1, np.int64)
         tflag = self._zeros("tflag", n, np.uint32)
+        tail = tail_cut is not None and nc > 0
+        tbits = self._zeros("tbits", n, np.uint32) if tail else _EU1
+        tcut = _ro(tail_cut, np.float64) if tail else _ro(_E2, np.float64)
+        qb = q_edges is not None
+        qe = _ro(q_edges, np.float64) if qb else _ro(_E1, np.float64)
+        qcnt = np.zeros((nt, (qe.shape[0] if qb else 1) + PAD))
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         msum = np.zeros((nt, gm + PAD, N_SUMS))
         mmax = np.full((nt, gm + PAD, N_MAXES), -math.inf)
@@ -432,6 +465,8 @@ class Fused:
                 scatter,
                 m2po,
                 p.weights,
+                tail,
+                qb,
             ],
             dtype=np.int64,
         )
@@ -507,6 +542,11 @@ class Fused:
                 m2x,
                 m2m,
                 *self._scratch(t, p.clamps.shape[0]),
+                tcut,
+                p.fixed_side,
+                tbits,
+                qe,
+                qcnt[t],
             )
 
         if nt == 1:
@@ -541,6 +581,8 @@ class Fused:
             seq_first=first,
             m2po_x=m2x if m2po else None,
             m2po_mass=m2m if m2po else None,
+            tail=_tail(tbits) if tail else None,
+            q_counts=qcnt[:, : qe.shape[0]].sum(axis=0) if qb else None,
         )
 
     def take(self, groups: int) -> dict[str, np.ndarray]:
@@ -584,6 +626,11 @@ class Fused:
 
 
 _M2PO_SCRATCH = threading.local()
+
+
+def _tail(tbits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.flatnonzero(tbits)
+    return idx, tbits[idx]
 
 
 def _m2po_scratch(n: int) -> tuple[np.ndarray, ...]:

@@ -21,8 +21,10 @@ flags the degenerate logs: both columns identical on every token (no mismatch to
 same column logged twice?), a column constant, or a column zero on every token (p = 1: a
 placeholder, like NeMo-RL's prev_logprobs under force_on_policy_ratio).
 
-Sums add across batches (pairs that straddle two batches are left out), so `inspect` checks
-the whole log; every other command checks the lag on the first batch it reads
+Sums add across batches (pairs that straddle two batches are left out); `inspect` checks the
+degenerate columns on every token and the lags on the first MAX_PAIRS pairs (a shift is
+a property of the logging code, the same in every batch: 4M pairs decide it, and each batch
+costs a sort by position); every other command checks the lag on the first batch it reads
 (`first_batch_warnings`, at most `SAMPLE_ROWS` rows, a few milliseconds) and warns on stderr.
 """
 
@@ -36,6 +38,7 @@ import polars as pl
 SAMPLE_ROWS = 200_000
 RATIO = 4.0  # a lag must fit this many times better than lag 0 to call the log shifted
 FLOOR = 1e-6  # D(0) below this is rounding: nothing to compare
+MAX_PAIRS = 1 << 22  # token pairs the lag check reads before it has seen enough
 
 
 @dataclass
@@ -81,7 +84,7 @@ class AlignmentCheck:
         self.hi["trainer"] = max(self.hi["trainer"], s["hit"])
         self.lo["inference"] = min(self.lo["inference"], s["loi"])
         self.hi["inference"] = max(self.hi["inference"], s["hii"])
-        if "sample_id" not in df.columns:
+        if "sample_id" not in df.columns or self.pairs >= MAX_PAIRS:
             return
         keys = [c for c in ("step", "sample_id", "position") if c in df.columns]
         d = df.select([*keys, "trainer_logprob", "inference_logprob"])

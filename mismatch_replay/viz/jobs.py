@@ -5,15 +5,14 @@ Design
 `plot`, `report` and `demo` are compositions: figure data (analysis.figure_data, four
 replays), the decisions, the inspect summary, then drawing (`render.render_all`) and page
 assembly (`report.write_report`, with `report.decision_html` as its Decision section).
-`report` takes figure data and decisions from `analysis.report_data`, which shares the
-passes (eight reads of the log with the inspect summary: the sweep, choose's refinement and
-bootstrap in one pass, per step, per bucket, both compares in one pass, and the by-length
-replay of masked_by_length.png, its pre-pass and itself, where the log has sequence ids),
-writes `sweep.csv` beside `index.html`, and drives one progress bar through every pass
-(`Stages`). A log without sequence ids gets no masked_by_length figure: `plot` warns
-(`FigureNote`), the report says so in the figure's place. They live here rather than in the
-CLI so that a notebook gets the same result with one call, and the CLI stays a thin
-formatter.
+`report` takes figure data, decisions and the inspect summary from `analysis.report_data`,
+which reads the log once for all of them but the by-length figure (whose replay and its
+pre-pass read a few columns twice, where the log has sequence ids), writes `sweep.csv`
+beside `index.html`, and drives one progress bar through every pass (`Stages`); `demo`
+writes that summary as inspect.json. A log without sequence ids gets no masked_by_length
+figure: `plot` warns (`FigureNote`), the report says so in the figure's place. They live
+here rather than in the CLI so that a notebook gets the same result with one call, and the
+CLI stays a thin formatter.
 
 Existing outputs are never overwritten without `force`: every check happens before the
 first pass over the log, so a refused call costs nothing.
@@ -28,7 +27,6 @@ from pathlib import Path
 
 from .. import analysis, engine, ingest
 from ..analysis.figure_data import NO_LENGTH_NOTE
-from ..analysis.inspect import inspect_log
 from ..errors import UsageError
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
 from . import report as page
@@ -106,11 +104,11 @@ def report(
     if precision is not None:
         engine.check_precision(precision)
     _refuse_existing(outdir, [*REPORT_FILES, *[f"{n}.png" for n in FIGURES]], force)
-    # inspect, report_data's 6 passes with a progress (the by-length pre-pass has none),
+    # report_data's shared read and the by-length replay (its pre-pass has no progress),
     # the float32 check's 2, and drawing the figures
-    passes = 8 + (2 if precision == "float32" else 0)
+    passes = 2 + (2 if precision == "float32" else 0)
     bar = Stages(progress, passes)
-    summary = inspect_log(sources, options, progress=bar)
+    got: dict = {}
     data, dec = analysis.report_data(
         sources,
         settings,
@@ -119,7 +117,9 @@ def report(
         options=options,
         progress=bar,
         precision=precision,
+        summary=got,
     )
+    summary = got["summary"]
     sections = [("Decision", page.decision_html(dec))]
     if precision == "float32":
         check = analysis.precision_check(
@@ -190,10 +190,6 @@ def demo(
         outdir, ["inspect.json", "sweep.csv", "index.html", *[f"{n}.png" for n in FIGURES]], force
     )
     ensure_dir(outdir)
-    summary = inspect_log(src, progress=progress)
-    inspect_json = atomic_write(
-        outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
-    )
     keep: dict = {}
     index = report(
         src,
@@ -202,6 +198,10 @@ def demo(
         force=force,
         progress=progress,
         keep=keep,
+    )
+    summary = keep["summary"]  # the report's own read made it
+    inspect_json = atomic_write(
+        outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
     )
     out = {"inspect": inspect_json, "sweep": outdir / SWEEP_CSV, "report": index}
     out |= {n: outdir / f"{n}.png" for n in figures(keep["data"])}

@@ -1,0 +1,236 @@
+"""Exact counts after a replay, from its tail: refinement and bootstrap with no second pass.
+
+Design
+------
+A replay given an `engine.Tail` keeps the tokens beyond per-coordinate cutoffs (engine/
+tail.py). `TailCounts` scores them with each token rule's own `score()` on a TokenBatch of
+the kept tokens -- the simple path's arithmetic, so its bins are the engine's -- and says
+where that is the whole story: `cover(job)` compares the kept tokens' masked count with the
+replay's exact count at every value the replay evaluated for the rule (its job's grid), and
+returns the loosest threshold from which on they agree at every grid value. A token rule's
+masked set shrinks as its threshold rises, so at any value at least that strict every masked
+token is among the kept ones, and
+
+* `hits(job)`: the masked tokens at each of a job's values (a refinement grid) are exact;
+* `replicates(job, B, unit, seed)`: per Poisson replicate, the masked tokens at each value,
+  sum over units of the unit's weight (`engine.poisson_weights`, a function of the unit id)
+  times its masked tokens there, with the unit's tokens from the replay (a sequence's `n`,
+  a step's count). Weights and counts are integers, so the float64 matrix product is exact
+  in any order: the replicates equal those of the streaming bootstrap pass
+  (`search.one_pass`) bit for bit.
+
+A job whose values are not all covered is left to a pass (`search.one_pass` runs it): the
+answers are the same either way, only the time differs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import engine
+from ..engine import readout
+from ..fast import bin_scores, replicate_bins
+from ..rules import TokenBatch
+
+
+def _key(job: engine.Job) -> tuple:
+    r = job.rule
+    return (r.name, r.arith, r.precision, r.setting(job.param), job.param)
+
+
+class TailCounts:
+    """Counts at any threshold of a token rule, from a replay's kept tokens (see the
+    module docstring). `main`: the Tally the tail was filled by."""
+
+    def __init__(self, main: engine.Tally):
+        self.main = main
+        self.tail = main.tail
+        self._sub: dict[int | None, tuple[np.ndarray | None, TokenBatch]] = {}
+        self._scores: dict[tuple, np.ndarray] = {}
+        self._cover: dict[tuple, float] = {}
+        self._weights: tuple | None = None
+
+    @classmethod
+    def of(cls, main: engine.Tally | None) -> TailCounts | None:
+        """The tail's counts, or None where the replay kept none (no tail, or it says why
+        not: the simple path, a tail that outgrew its limit)."""
+        if main is None or main.tail is None or main.tail.off is not None:
+            return None
+        if main.tail.cut is None and main.tail.tokens:  # a replay with no token job
+            return None
+        return cls(main)
+
+    def _coordinate(self, job: engine.Job) -> int | None:
+        """The kernel coordinate the replay binned this rule and parameter on (its kept
+        tokens are those with that coordinate's bit), or None: every kept token."""
+        fused = getattr(self.main, "_fused", None)
+        if fused is None:
+            return None
+        k = _key(job)
+        for ji, mj in enumerate(self.main.jobs):
+            if mj.rule.level == "token" and _key(mj) == k and fused.p.slot[ji] >= 0:
+                slot = fused.p.slot[ji]
+                for c, coord in enumerate(fused.p.coords):
+                    if slot in coord.slots:
+                        return c
+        return None
+
+    def _subset(self, c: int | None) -> tuple[np.ndarray | None, TokenBatch]:
+        """(indices into the kept tokens, their TokenBatch) of coordinate c's tail."""
+        got = self._sub.get(c)
+        if got is None:
+            a = self.tail.arrays()
+            idx = None if c is None else np.flatnonzero(a["bits"] & np.uint32(1 << c))
+            adv = a.get("advantage")
+            if idx is None:
+                tb = TokenBatch(a["lp"], a["lq"], adv)
+            else:
+                tb = TokenBatch(a["lp"][idx], a["lq"][idx], None if adv is None else adv[idx])
+            got = self._sub[c] = (idx, tb)
+        return got
+
+    def score(self, job: engine.Job) -> np.ndarray:
+        """The rule's score of the kept tokens on its coordinate (cached per rule and
+        parameter)."""
+        k = _key(job)
+        s = self._scores.get(k)
+        if s is None:
+            _, tb = self._subset(self._coordinate(job))
+            s = np.asarray(job.rule.score(tb, job.param), dtype=np.float64)
+            self._scores[k] = s
+        return s
+
+    def _units_of(self, job: engine.Job, where: np.ndarray) -> np.ndarray:
+        idx, _ = self._subset(self._coordinate(job))
+        return where if idx is None else where[idx]
+
+    def _bins(self, job: engine.Job) -> np.ndarray:
+        return bin_scores(self.score(job), job.sorted_thresholds, job.rule.inclusive)
+
+    def _counts(self, job: engine.Job) -> np.ndarray:
+        """Kept tokens masked at each of the job's values (values' order)."""
+        b = self._bins(job)
+        width = len(job.values) + 2
+        return suffix_values(job, np.bincount(b, minlength=width))
+
+    def cover(self, job: engine.Job) -> float:
+        """The loosest threshold (score space) from which on the kept tokens are every
+        masked token: +inf where the replay holds no job of this rule and parameter, or
+        the kept tokens miss some at its strictest value."""
+        k = _key(job)
+        got = self._cover.get(k)
+        if got is not None:
+            return got
+        got = np.inf
+        for ji, mj in enumerate(self.main.jobs):
+            if mj.rule.level != "token" or _key(mj) != k:
+                continue
+            values, exact, _ = readout.job_counts(self.main, ji)
+            mine = self._counts(engine.Job(mj.rule, mj.param, values))
+            thr = engine.Job(mj.rule, mj.param, values).thresholds
+            order = np.argsort(thr, kind="stable")[::-1]  # strictest first
+            for i in order:
+                if mine[i] != exact[i]:
+                    break
+                got = min(got, float(thr[i]))
+            break
+        self._cover[k] = got
+        return got
+
+    def covers(self, job: engine.Job) -> bool:
+        """Are all of the job's values at least as strict as the covered threshold?"""
+        if job.rule.level != "token" or len(job.values) == 0:
+            return False
+        return bool(job.thresholds.min() >= self.cover(job))
+
+    def masked(self, job: engine.Job) -> np.ndarray:
+        """Which kept tokens (all of them, in input order) the rule masks at the job's one
+        value (every masked token of the log where `covers(job)`)."""
+        idx, _ = self._subset(self._coordinate(job))
+        hit = self._bins(job) > 0
+        if idx is None:
+            return hit
+        out = np.zeros(self.tail.kept, dtype=bool)
+        out[idx[hit]] = True
+        return out
+
+    def kept_batch(self) -> TokenBatch:
+        """Every kept token as a TokenBatch (input order)."""
+        return self._subset(None)[1]
+
+    def hits(self, job: engine.Job) -> np.ndarray:
+        """Masked tokens at each of the job's values (exact where `covers(job)`)."""
+        return self._counts(job)
+
+    def _unit_weights(self, B: int, unit: str, seed: int):
+        """(ids of the units, (units, B) weights, (B,) weighted tokens, unit of each kept
+        token as an index into ids)."""
+        if self._weights is not None and self._weights[0] == (B, unit, seed):
+            return self._weights[1]
+        a = self.tail.arrays()
+        if unit == "sequence":
+            n = self.main.seq_stats().n
+            ids = np.arange(n.shape[0], dtype=np.int64)
+            where = a["seq"]
+        else:
+            steps = sorted(self.tail.step_counts)
+            ids = np.asarray(steps, dtype=np.int64)
+            n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
+            where = np.searchsorted(ids, a["step"].astype(np.int64))
+        wt = engine.poisson_weights(ids, B, seed, transposed=True)
+        got = (ids, wt, n @ wt, where)
+        self._weights = ((B, unit, seed), got)
+        return got
+
+    def sequence_weights(self, B: int, seed: int) -> np.ndarray:
+        """(B, sequences) Poisson weights of the sequences (Tally.seq_unit_weights' draws
+        with unit "sequence"), made once for this tail's replicates and the sequence rules'."""
+        return self._unit_weights(B, "sequence", seed)[1].T
+
+    def can_resample(self, unit: str) -> bool:
+        """Does the tail know each unit's tokens (sequence ids, or step counts)?"""
+        if unit == "sequence":
+            return self.main.has_seq and "seq" in self.tail.arrays()
+        return self.tail.count_steps and "step" in self.tail.arrays()
+
+    def replicates(self, job: engine.Job, B: int, unit: str, seed: int):
+        """((B, K) replicate masked tokens at the job's values, (B,) replicate tokens)."""
+        _, wt, tokens, where = self._unit_weights(B, unit, seed)
+        b = self._bins(job)
+        hit = b > 0
+        units = self._units_of(job, where)[hit]
+        rep = replicate_bins(units, b[hit], np.ones(units.shape[0]), wt, len(job.values) + 2)
+        return suffix_values(job, rep), tokens
+
+    def spread(self, job: engine.Job, unit: str) -> float | None:
+        """The bootstrap's relative standard error of the masked fraction at the job's one
+        value (units resampled with Poisson(1) weights, the ratio estimator's delta
+        method); None where nothing is masked."""
+        a = self.tail.arrays()
+        if unit == "sequence":
+            n = self.main.seq_stats().n
+            where = a["seq"]
+        else:
+            steps = sorted(self.tail.step_counts)
+            n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
+            where = np.searchsorted(np.asarray(steps, dtype=np.int64), a["step"].astype(np.int64))
+        hit = self._bins(job) > 0
+        c = np.bincount(self._units_of(job, where)[hit], minlength=n.shape[0]).astype(float)
+        total = c.sum()
+        if total == 0:
+            return None
+        f = total / n.sum()
+        var = (c * c).sum() - 2.0 * f * (c * n).sum() + f * f * (n * n).sum()
+        return float(np.sqrt(max(var, 0.0)) / total)
+
+
+def suffix_values(job: engine.Job, a: np.ndarray) -> np.ndarray:
+    """Per-bin counts (..., K + 2) in threshold order -> masked at each value (..., K), in
+    the job's value order (bin j holds the tokens that pass exactly j thresholds)."""
+    rev = np.cumsum(a[..., ::-1], axis=-1)[..., ::-1]
+    inv = np.empty(len(job.values), dtype=np.int64)
+    inv[job.order] = np.arange(len(job.values))
+    return rev[..., inv + 1]
+
+
+__all__ = ["TailCounts", "suffix_values"]

@@ -1,0 +1,166 @@
+"""The tail: the tokens a replay keeps beyond per-coordinate cutoffs, for exact counts later.
+
+Design
+------
+A decision made after a replay -- the threshold that masks a target fraction, the bootstrap
+interval of that threshold, two rules' 2 x 2 table -- needs, per token rule, the masked
+tokens at thresholds nobody knew before the pass: a second pass over the log, as a rule.
+But those thresholds mask few tokens, and only the tokens far out on some coordinate of the
+fused kernel (fast/coordinates.py: dp, l, the binary KLs) can be masked at all. So a Tally
+given a `Tail` keeps, for every coordinate of its program, the tokens at or beyond two
+cutoffs (`cut`, one per side), with their log-probs, advantage, sequence id, step and the
+position columns the log has: the kernel sets a bit per coordinate in one pass it already
+makes (`jit.coord_pass`, flags[F_TAIL]), the Tally gathers those rows (`add`). The kernel
+also counts every token's inference-probability bucket (`q_counts`) and, asked to, `add`
+counts each step's tokens (`step_counts`): the totals a 2 x 2 table or a bootstrap over
+steps needs besides the kept tokens.
+
+The kernel also keeps every token that a job's fixed side masks (its other threshold, e.g.
+IcePop's high bound while low is swept: `Program.fixed_side`) and every token a single
+setting (a one-value job) masks, whatever the cutoffs. The cutoffs are set on the first
+batch: the `fraction`-quantiles of each coordinate on a sample of it (SAMPLE tokens evenly
+spaced; two-sided for the signed coordinates dp and l), so the tail holds about 2 x
+fraction of the tokens per coordinate. Nothing depends on the cutoffs being right: a
+consumer scores the kept tokens with the rule's own `score()` (the simple path's
+arithmetic) and checks them against the replay's exact counts on the job's grid
+(analysis/tail_counts.py, `TailCounts.cover`): where the kept tokens' count equals the
+replay's at a grid value, every masked token there is kept, and so at every stricter value
+(a token rule's masked set shrinks as its threshold rises). A job the tail does not cover
+where a consumer needs it falls back to a pass over the log: the same counts either way.
+
+Memory: ~48 bytes a kept token; `limit` (MAX_TOKENS by default) stops keeping beyond it
+(`off` says why; consumers then fall back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from ..rules import TokenBatch
+
+SAMPLE = 1 << 16  # tokens of the first batch the cutoffs are set on
+MAX_TOKENS = 1 << 25  # kept tokens before the tail stops keeping (~1.6 GB)
+EXTRA = ("step", "sample_id", "position")  # columns kept as they are in the log
+
+
+def coordinate_values(kind: str, clamp: float | None, tb: TokenBatch) -> np.ndarray:
+    """A fused-kernel coordinate in numpy (fast/coordinates.COORDINATES), as the rules'
+    TokenBatch computes it."""
+    if kind == "dp":
+        return tb.dp
+    if kind == "l":
+        return tb.l
+    if kind == "bkl":
+        return tb.bkl(clamp)
+    if kind == "bkl_qp":
+        return tb.bkl_qp(clamp)
+    raise ValueError(f"unknown coordinate {kind!r}")
+
+
+@dataclass
+class Tail:
+    """The kept tokens of one replay (see the module docstring). `fraction`: per side of a
+    coordinate, the share of the first batch's tokens beyond each cutoff (0: no cutoff,
+    only the fixed sides' and single settings' masked tokens)."""
+
+    fraction: float
+    limit: int = MAX_TOKENS
+    cut: np.ndarray | None = None  # (coordinates, 2): keep x <= cut[c, 0] or x >= cut[c, 1]
+    coords: list[tuple[str, float | None]] = field(default_factory=list)
+    off: str | None = None  # why nothing (more) is kept: consumers fall back
+    tokens: int = 0  # loss tokens the replay saw
+    kept: int = 0
+    parts: list[dict[str, np.ndarray]] = field(default_factory=list)
+    step_counts: dict = field(default_factory=dict)  # step -> loss tokens (count_steps)
+    count_steps: bool = False
+    # tokens per inference-probability bucket (bins.Q_BUCKET_EDGES), counted by the kernel
+    q_counts: np.ndarray | None = None
+    _joined: dict[str, np.ndarray] | None = None
+
+    def set_cutoffs(self, coords, tb: TokenBatch) -> np.ndarray:
+        """The cutoffs of `coords` ((kind, clamp) per kernel coordinate) from a sample of the
+        first batch `tb`."""
+        self.coords = [(c.kind, c.clamp) for c in coords]
+        n = len(tb)
+        pick = np.linspace(0, max(n - 1, 0), min(n, SAMPLE)).astype(np.int64)
+        sub = TokenBatch(
+            tb.lp[pick], tb.lq[pick], None if tb.advantage is None else tb.advantage[pick]
+        )
+        cut = np.empty((len(self.coords), 2))
+        f = min(max(self.fraction, 0.0), 0.5)
+        if f == 0.0:  # no quantile: only the fixed sides and single settings' masked tokens
+            cut[:, 0], cut[:, 1] = -np.inf, np.inf
+            self.cut = cut
+            return cut
+        for i, (kind, clamp) in enumerate(self.coords):
+            x = coordinate_values(kind, clamp, sub)
+            hi = float(np.quantile(x, 1.0 - f, method="inverted_cdf")) if n else np.inf
+            cut[i, 1] = hi
+            signed = kind in ("dp", "l")
+            lo = float(np.quantile(x, f, method="inverted_cdf")) if n and signed else -np.inf
+            cut[i, 0] = min(lo, hi) if signed else -np.inf
+        self.cut = cut
+        return cut
+
+    def add(self, idx: np.ndarray, bits: np.ndarray, df: pl.DataFrame, lp, lq, adv, seq) -> None:
+        """Keep a batch's tokens `idx` (their coordinate bits `bits`); `seq`: the batch's
+        global sequence ids (None without sample_id)."""
+        self.tokens += df.height
+        if self.count_steps:
+            vc = df["step"].value_counts()
+            for s, c in zip(vc["step"].to_list(), vc["count"].to_list(), strict=True):
+                self.step_counts[s] = self.step_counts.get(s, 0) + c
+        if self.off is not None or idx.shape[0] == 0:
+            return
+        if self.kept + idx.shape[0] > self.limit:
+            self.off = (
+                f"the tail outgrew {self.limit:,} tokens (cutoffs at {self.fraction:.3g} of "
+                "the first batch per side)"
+            )
+            self.parts.clear()
+            return
+        part = {"lp": lp[idx], "lq": lq[idx], "bits": bits, "row": idx + (self.tokens - df.height)}
+        if adv is not None:
+            part["advantage"] = adv[idx]
+        if seq is not None:
+            part["seq"] = seq[idx]
+        sel = pl.Series(idx)
+        for c in EXTRA:
+            if c in df.columns:
+                part[c] = df[c].gather(sel).to_numpy()
+        self.parts.append(part)
+        self.kept += idx.shape[0]
+        self._joined = None
+
+    def add_q_counts(self, counts: np.ndarray | None) -> None:
+        """Add a batch's tokens per q bucket (None: the kernel counted none)."""
+        if counts is not None:
+            self.q_counts = counts.copy() if self.q_counts is None else self.q_counts + counts
+
+    def refuse(self, why: str) -> None:
+        """Keep nothing (this replay cannot: e.g. it runs on the simple path)."""
+        if self.off is None:
+            self.off = why
+        self.parts.clear()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The kept tokens, concatenated in input order (cached)."""
+        if self._joined is None:
+            if not self.parts:
+                self._joined = {"lp": np.zeros(0), "lq": np.zeros(0), "row": np.zeros(0, int)}
+            else:
+                keys = self.parts[0].keys()
+                self._joined = {k: np.concatenate([p[k] for p in self.parts]) for k in keys}
+                self.parts = [self._joined]
+        return self._joined
+
+    def batch(self) -> TokenBatch:
+        """The kept tokens as a TokenBatch (the rules' own arithmetic)."""
+        a = self.arrays()
+        return TokenBatch(a["lp"], a["lq"], a.get("advantage"))
+
+
+__all__ = ["EXTRA", "MAX_TOKENS", "SAMPLE", "Tail", "coordinate_values"]
