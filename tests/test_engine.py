@@ -754,3 +754,48 @@ def test_k3_bins_of_extreme_values_without_warnings():
         b = k3_bin(k3)
     assert b[0] == 0 and b[1] == 1 and b[-1] == b[-2] == K3_BINS
     assert (np.diff(b) >= 0).all()
+
+
+def test_replay_together_gives_each_tally_its_own_replay(tmp_path):
+    """One read into several Tallies (the report's shared read) gives each the Tally its own
+    replay gives: the same tables (counts exactly, sums to rounding), metrics per group, the
+    robust per-step statistics and the read's row counts; observers see every batch."""
+    from conftest import random_log
+
+    from mismatch_replay.analysis.figure_data import DEFAULT_SETTINGS
+
+    df = random_log(np.random.default_rng(8), steps=5, seqs=12)
+    path = tmp_path / "log.parquet"
+    df.write_parquet(path)
+    rules = list(DEFAULT_SETTINGS)
+    seen = []
+    full, step, bucket = engine.replay_together(
+        [path],
+        [
+            {"rules": None, "tail": engine.Tail(0.01)},
+            {"rules": rules, "by": "step", "robust": True, "scatter": False},
+            {"rules": rules, "by": "q_bucket", "scatter": False},
+        ],
+        final=True,
+        observers=[lambda d: seen.append(d.height)],
+    )
+    alone = [
+        engine.replay([path], final=True),
+        engine.replay([path], rules=rules, by="step", robust=True, final=True),
+        engine.replay([path], rules=rules, by="q_bucket", final=True),
+    ]
+    for got, ref in zip((full, step, bucket), alone, strict=True):
+        a, b = got.result().table, ref.result().table
+        assert a.columns == b.columns and a.height == b.height
+        for c in a.columns:
+            if a[c].dtype.is_float():
+                np.testing.assert_allclose(a[c].to_numpy(), b[c].to_numpy(), rtol=1e-12)
+            else:
+                assert a[c].to_list() == b[c].to_list(), c
+        assert got.report.rows == ref.report.rows and got.report.loss_rows == ref.report.loss_rows
+    np.testing.assert_array_equal(full.hist_lin, alone[0].hist_lin)
+    assert not step.hist_lin.any()  # scatter=False
+    np.testing.assert_array_equal(step.k3_hist, alone[1].k3_hist)
+    assert sum(seen) == df.filter(pl.col("loss_mask")).height == full.report.loss_rows
+    with pytest.raises(UsageError, match="replay of its own"):
+        engine.replay_together([path], [{"rules": rules, "match": "prime-rl"}])

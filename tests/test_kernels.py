@@ -1041,3 +1041,32 @@ def test_q_bucket_codes_are_numpys_at_the_edges():
     for k in range(edges.shape[0]):
         hit = np.flatnonzero(want == k)
         assert first[k] == (hit[0] if hit.size else -1)
+
+
+@pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")
+@pytest.mark.parametrize("seed", [3, 4])
+def test_clamped_sequence_sums_in_the_kernel_are_numpys(tmp_path, seed):
+    """verl's sequence presets read sums of clip(l, +-20) and (exp(lc) - 1) - lc: the kernel
+    accumulates them (flags[F_CSEQ]) and every grid point's count is the numpy path's, l far
+    beyond the clamp included."""
+    from conftest import random_log
+
+    from mismatch_replay.analysis.search import choice_jobs
+    from mismatch_replay.rules import parse_rule
+
+    df = random_log(np.random.default_rng(seed), steps=4, seqs=30, max_len=40, mismatch=0.5)
+    lp = df["trainer_logprob"].to_numpy().copy()
+    lp[::97] = -60.0  # l beyond the clamp
+    df = df.with_columns(pl.Series("trainer_logprob", lp))
+    path = tmp_path / "v.parquet"
+    df.write_parquet(path)
+    specs = ["seq-mis@verl", "geo-mis@verl", "seq-mean-k3@verl", "seq-max-k2@verl"]
+    jobs = choice_jobs([parse_rule(s) for s in specs], True)
+    got = engine.replay([path], jobs=jobs, final=True)
+    with fast.use_backend("numpy"):
+        ref = engine.replay([path], jobs=jobs, final=True)
+    st, sr = got.seq_stats(), ref.seq_stats()
+    for name in ("sum_lc", "sum_k3c"):
+        np.testing.assert_allclose(getattr(st, name), getattr(sr, name), rtol=1e-12, atol=1e-12)
+    a, b = got.result().table, ref.result().table
+    assert a["masked_tokens"].to_list() == b["masked_tokens"].to_list()

@@ -137,3 +137,27 @@ def test_plot_and_report_without_sequence_ids_skip_the_length_figure_with_a_note
     assert page.count("data:image/png;base64,") == len(FIGURES) - 1
     assert "Not drawn: the log has no sequence ids" in page
     assert not (rep / "masked_by_length.png").exists()
+
+
+def test_the_reports_shared_read_gives_inspects_summary():
+    """report_data's one read also gives inspect's summary: the same as inspect_log's own
+    pass (counts, metrics overall and per step, alignment, warnings)."""
+    import polars as pl
+
+    from mismatch_replay import analysis
+    from mismatch_replay.analysis.inspect import inspect_log
+
+    got: dict = {}
+    analysis.report_data([GOLDEN], bootstrap=0, summary=got)
+    mine, ref = got["summary"].to_dict(), inspect_log([GOLDEN]).to_dict()
+    for k in ("files", "format", "rows", "loss_tokens", "steps", "sequences", "invalid"):
+        assert mine[k] == ref[k], k
+    assert mine["alignment"] == ref["alignment"] and mine["warnings"] == ref["warnings"]
+    for k, v in ref["metrics"].items():
+        if v is None or isinstance(v, str):
+            assert mine["metrics"][k] == v, k
+        else:
+            assert mine["metrics"][k] == pytest.approx(v, rel=1e-12, nan_ok=True), k
+    a, b = pl.DataFrame(mine["per_step"]), pl.DataFrame(ref["per_step"])
+    assert a.columns == b.columns and a["step"].to_list() == b["step"].to_list()
+    assert a["tokens"].to_list() == b["tokens"].to_list()

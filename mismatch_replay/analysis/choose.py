@@ -214,7 +214,9 @@ def choose(
     first = [first_job(j) for j in jobs]
     if tally is None:
         tail = engine.Tail(tail_fraction(target), count_steps=unit == "step")
-        tally = engine.replay(plan, jobs=first, progress=progress, final=True, tail=tail)
+        tally = engine.replay(
+            plan, jobs=first, progress=progress, final=True, tail=tail, scatter=False
+        )
         index = list(range(len(jobs)))
     else:  # the caller's replay (its first jobs, or the default grids): find each job
         keys = {job_key(j): i for i, j in enumerate(tally.jobs)}

@@ -8,14 +8,19 @@ inference and trainer probabilities, |p - q| mass), where they disagree (`Bucket
 the engine's inference-probability buckets), the Jaccard overlap of the masked sets and,
 with `examples=K`, per side the K disputed tokens with the largest |log p - log q|.
 
-It is one numpy pass over the log (`compare_pass`, several pairs at once: the report's two),
-scoring each rule with its own `score()` on each batch; a sequence rule first needs which
-sequences it masks (one more replay, shared by the pairs, read from its sequence
-statistics). `budget` first sets both rules' primary parameters to mask the same fraction
-(iso-budget comparison: both searched in one pass on their default grids made DENSE = 16
-times finer, then refined like `choose`, rarely a second pass), or takes settings already
-found (`budget_settings`, e.g. choose's, as the report does). m2po (it ranks whole steps)
-and weight rules (they mask nothing) are refused.
+For two token rules it is one replay that keeps its tail (engine.Tail: here every token
+either setting masks), and the table is counted from the kept tokens (`_from_tail`): the
+cells' sums over them, "neither" as the replay's totals (its metric sums, the kernel's
+q-bucket counts) minus the rest. Otherwise (a sequence rule, numba missing, a float32
+replay) it is one numpy pass over the log (`compare_pass`, several pairs at once: the
+report's two), scoring each rule with its own `score()` on each batch; a sequence rule
+first needs which sequences it masks (one more replay, shared by the pairs, read from its
+sequence statistics). The counts are the same either way (tests/test_tail.py). `budget`
+first sets both rules' primary parameters to mask the same fraction (iso-budget comparison:
+both searched in one replay on choose's first grids, `search.first_job`, then refined like
+`choose` from that replay's tail, which then also holds both settings' masked tokens), or
+takes settings already found (`budget_settings`, e.g. choose's, as the report does). m2po
+(it ranks whole steps) and weight rules (they mask nothing) are refused.
 
 The answer is a `CompareResult`; `to_dict()` is the JSON `compare --json` prints. The
 disputed tokens are plain records (`dict`: masked_by, q, p, abs_dp, log_ratio and the
@@ -34,11 +39,10 @@ from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..rules import Rule, TokenBatch, parse_grid, parse_rule
-from .search import Search, dense, refine, tail_fraction
+from .search import Search, first_job, refine, tail_fraction
 from .tail_counts import TailCounts
 
 CELLS = ("both", "only_a", "only_b", "neither")
-DENSE = 16  # points a budget search puts between two default grid points (one pass)
 
 
 def _plain(obj) -> dict:
@@ -157,15 +161,15 @@ def _budget_rules(
     plan, rules: Sequence[Rule], budget: float, progress
 ) -> tuple[list[tuple[Rule, BudgetSetting]], engine.Tally]:
     """Each rule set to mask `budget` of the tokens (its primary parameter), all rules in one
-    pass on the default grids made DENSE times finer, then refined like `choose` (rarely a
-    second pass; from the replay's tail, with no pass, where it covers). Also returns that
+    replay on choose's first grids (`search.first_job`), then refined like `choose` (from
+    the replay's tail, with no pass, where it covers). Also returns that
     replay: its tail holds both settings' masked tokens, as a rule (`compare_pass`)."""
     jobs = []
     for rule in rules:
         param = rule.primary_param()
-        jobs.append(engine.Job(rule, param, dense(parse_grid(rule.param(param).grid), DENSE)))
+        jobs.append(first_job(engine.Job(rule, param, parse_grid(rule.param(param).grid))))
     tail = engine.Tail(tail_fraction(budget))  # refinement and the table from its tokens
-    tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, tail=tail)
+    tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, tail=tail, scatter=False)
     searches = []
     for ji, job in enumerate(jobs):
         values, hits, tokens = readout.job_counts(tally, ji)
@@ -204,7 +208,9 @@ def compare(
         # one replay of the two settings whose tail keeps every token either masks: the
         # table with no numpy pass (on the fused path; else compare_pass makes its pass)
         jobs = [engine.single_job(pair.a), engine.single_job(pair.b)]
-        tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, tail=engine.Tail(0.0))
+        tally = engine.replay(
+            plan, jobs=jobs, progress=progress, final=True, tail=engine.Tail(0.0), scatter=False
+        )
     return compare_pass(plan, [pair], examples, progress, tally)[0]
 
 

@@ -178,8 +178,8 @@ def report_data(
             plan,
             [
                 {"jobs": sweep_jobs + extra, "tail": tail},
-                {"rules": step_rules, "by": "step", "robust": True},
-                {"rules": chosen, "by": "q_bucket"},
+                {"rules": step_rules, "by": "step", "robust": True, "scatter": False},
+                {"rules": chosen, "by": "q_bucket", "scatter": False},
             ],
             progress=progress,
             final=True,

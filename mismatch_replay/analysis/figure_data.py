@@ -92,7 +92,13 @@ def length_table(
     if not rules:
         return None
     tally = engine.replay(
-        plan, rules=rules, by="length", progress=progress, final=True, seq_lengths=lengths
+        plan,
+        rules=rules,
+        by="length",
+        progress=progress,
+        final=True,
+        seq_lengths=lengths,
+        scatter=False,
     )
     return tally.result().table
 

@@ -58,7 +58,10 @@ class TailCounts:
             return None
         if main.tail.cut is None and main.tail.tokens:  # a replay with no token job
             return None
-        return cls(main)
+        got = main.tail.__dict__.get("_counts")  # one per replay: its scores and weights
+        if got is None or got.main is not main:
+            got = main.tail.__dict__["_counts"] = cls(main)
+        return got
 
     def _coordinate(self, job: engine.Job) -> int | None:
         """The kernel coordinate the replay binned this rule and parameter on (its kept

@@ -54,6 +54,7 @@ def replay(
     precision: str | None = None,
     tail: Tail | None = None,
     seq_lengths: tuple[dict, np.ndarray] | None = None,
+    scatter: bool = True,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
 
@@ -78,6 +79,7 @@ def replay(
     `bootstrap=(replicates, unit, seed)` also accumulates Poisson-bootstrap replicates of every
     token rule's per-bin counts over units "sequence" or "step" (analysis.choose uses it).
     `robust=True` keeps per-group k3 histograms and top-k3 tokens (analysis.drift uses it).
+    `scatter=False` skips the scatter histograms (a replay whose caller draws none).
     `seq_lengths` (by="length"): each sequence's id and loss tokens, as another replay of the
     same rows counted them (Tally.seq_keys, seq_stats().n), instead of the pre-pass.
     `jobs` replaces rules and sweeps with ready-made jobs. `tail` (tail.py) is filled with
@@ -114,6 +116,7 @@ def replay(
     tally, cols, keep = _local_tally(
         plan, jobs, notes, by, match, bootstrap, robust, tail, precision, seq_lengths
     )
+    tally.scatter = scatter
     (dropped_zero,) = _stream(plan, [(tally, cols, keep)], progress, final, ())
     if match is not None:
         tally.notes.append(
@@ -237,13 +240,15 @@ def replay_together(
 ) -> list[Tally]:
     """Several local replays in ONE read of the log: each part is replay()'s keywords
     (rules / sweeps / jobs, by, robust, tail, precision; not match, bootstrap, by="length" or
-    Ray, which have passes of their own) and gets the Tally replay() would give it.
+    Ray, which have passes of their own), plus scatter=False for a Tally that needs no
+    scatter histograms, and gets the Tally replay() would give it.
     `observers` see every batch (e.g. inspect's duplicate and alignment checks)."""
     plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
     built = []
     warned = []
     for kw in parts:
-        bad = {"match", "bootstrap", "engine"} & set(kw)
+        known = {"rules", "sweeps", "jobs", "by", "robust", "tail", "precision", "scatter"}
+        bad = set(kw) - known
         if bad or kw.get("by") == "length":
             raise UsageError(
                 f"replay_together: {sorted(bad) or 'by=length'} needs a replay of its own"
@@ -257,19 +262,12 @@ def replay_together(
         if precision is not None:
             jobs = with_precision(jobs, check_precision(precision))
         precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
-        built.append(
-            _local_tally(
-                plan,
-                jobs,
-                notes,
-                kw.get("by"),
-                None,
-                None,
-                kw.get("robust", False),
-                kw.get("tail"),
-                precision,
-            )
-        )
+        tally, cols, keep = _local_tally(
+            plan, jobs, notes, kw.get("by"), None, None, kw.get("robust", False),
+            kw.get("tail"), precision,
+        )  # fmt: skip
+        tally.scatter = kw.get("scatter", True)
+        built.append((tally, cols, keep))
         warned.append(spec_warnings(kw.get("rules") or []))
     _stream(plan, built, progress, final, observers)
     for (tally, _, _), w in zip(built, warned, strict=True):

@@ -129,6 +129,8 @@ class Tally:
     robust: bool = False
     # the tokens beyond per-coordinate cutoffs, kept for exact counts after the pass (tail.py)
     tail: Tail | None = None
+    # False: no scatter histograms (a side Tally of a shared read, whose figures need none)
+    scatter: bool = True
     k3_hist: np.ndarray | None = None  # (G, K3_BINS + 1) token counts
     k3_hist_sum: np.ndarray | None = None  # (G, K3_BINS + 1) sum of k3 per bin
     top: dict = field(default_factory=dict)  # group index -> {"k3", "step", "sample_id", ...}
@@ -350,14 +352,17 @@ class Tally:
             log_clamp=LOG_CLAMP,
             tail_cut=tail_cut,
             q_edges=_Q_EDGES if self.tail is not None else None,
+            scatter=self.scatter,
+            clamped_seq=self.clamped_seq,
         )
         if self.tail is not None:
             idx, bits = out.tail if out.tail is not None else (_NONE, _NONE.astype(np.uint32))
             self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None)
             self.tail.add_q_counts(out.q_counts)
         self.metrics.add_sums(out.msum, out.mmax, G)
-        self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
-        self.hist_log += out.hist_log.reshape(SCATTER_BINS, SCATTER_BINS)
+        if self.scatter:
+            self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
+            self.hist_log += out.hist_log.reshape(SCATTER_BINS, SCATTER_BINS)
         if seq is not None:
             uniq, local = seq[1]
             parts = {k: v for k, v in out.seq.items() if adv is not None or k != "sum_adv"}
@@ -403,7 +408,8 @@ class Tally:
     def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq) -> None:
         """The simple path: numpy, rule by rule (the reference for the fused path)."""
         self.metrics.add(tb, g, G, ent)
-        self._add_scatter(tb)
+        if self.scatter:
+            self._add_scatter(tb)
         if seq is not None:
             ts = tb.at(self.precision)  # the per-token values in the replay's arithmetic
             self.sequences.add_numpy(tb, ts, g, seq, self.clamped_seq)

@@ -26,7 +26,7 @@ from .vmath import vexp, vexpm1, vlog
 INF = math.inf
 
 # flags
-F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO, F_W, F_TAIL, F_QB = range(10)
+F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO, F_W, F_TAIL, F_QB, F_CSEQ = range(11)
 # coordinates (coordinates.COORDINATES gives their names and codes)
 C_DP, C_L, C_KPOP, C_BKL_QP = range(4)
 
@@ -150,7 +150,9 @@ BLOCK = 512  # tokens per block: the block's derived arrays stay in L1/L2
 # (and the engine's "mass", the |dp| sum): the sums in these columns of sq_sum (r0..r5 in its
 # loop), each sequence's largest k2 in sq_mx and its smallest l in sq_mn. runner.Fused.run
 # hands them out by name (BatchOut.seq); any other statistic the engine adds on numpy.
-SEQ_SUMS = ("n", "sum_l", "sum_k3", "sum_exp_abs_l", "mass", "sum_adv")
+SEQ_SUMS = ("n", "sum_l", "sum_k3", "sum_exp_abs_l", "mass", "sum_adv", "sum_lc", "sum_k3c")
+# the last two (verl's clamped sums) only with flags[F_CSEQ]: zeros otherwise
+N_CLAMPED_SUMS = 2
 N_SEQ_SUMS = len(SEQ_SUMS)
 SEQ_MAX = "max_k2"  # sq_mx
 SEQ_MIN = "min_l"  # sq_mn
@@ -255,6 +257,7 @@ def coord_pass(
     do_w = flags[F_W] != 0
     do_tail = flags[F_TAIL] != 0
     do_qb = flags[F_QB] != 0
+    do_cseq = flags[F_CSEQ] != 0
     nqe = qedges.shape[0]
     ncoord = ckind.shape[0]
     nclamp = clamps.shape[0]
@@ -426,7 +429,7 @@ def coord_pass(
             ra = rb
         if has_seq:  # sequences are runs of tokens: their sums stay in registers
             cs = np.uint64(sl[start])
-            r0 = r1 = r2 = r3 = r4 = r5 = 0.0
+            r0 = r1 = r2 = r3 = r4 = r5 = r6 = r7 = 0.0
             rmx = -INF
             rmn = INF
             for t in range(nb + 1):
@@ -439,12 +442,14 @@ def coord_pass(
                     sqf[sq + np.uint64(3)] += r3
                     sqf[sq + np.uint64(4)] += r4
                     sqf[sq + np.uint64(5)] += r5
+                    sqf[sq + np.uint64(6)] += r6
+                    sqf[sq + np.uint64(7)] += r7
                     sq_mx[cs] = max(sq_mx[cs], rmx)
                     sq_mn[cs] = min(sq_mn[cs], rmn)
                     if t == nb:
                         break
                     cs = so
-                    r0 = r1 = r2 = r3 = r4 = r5 = 0.0
+                    r0 = r1 = r2 = r3 = r4 = r5 = r6 = r7 = 0.0
                     rmx = -INF
                     rmn = INF
                 i = start + t
@@ -464,6 +469,10 @@ def coord_pass(
                 r4 += b_adp[t]
                 if has_adv:
                     r5 += adv[i]
+                if do_cseq:  # verl's k1 and token_k3: lc = clip(l), (exp(lc) - 1) - lc
+                    lcl = min(max(l, -clampv), clampv)
+                    r6 += lcl
+                    r7 += (b_rc[t] - 1.0) - lcl
                 rmx = max(rmx, 0.5 * l * l)
                 rmn = min(rmn, l)
         if do_scatter:  # separate loops: the divisions vectorise

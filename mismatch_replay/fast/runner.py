@@ -406,6 +406,7 @@ class Fused:
         m2po_into: tuple[np.ndarray, np.ndarray] | None = None,
         tail_cut: np.ndarray | None = None,
         q_edges: np.ndarray | None = None,
+        clamped_seq: bool = False,
     ) -> BatchOut:
         """One batch through the kernel. `m2po_into`: two float64 arrays of len(lp) that
         m2po's l^2 and |dp| are written into (its store's leased slab), else the runner's.
@@ -467,6 +468,7 @@ class Fused:
                 p.weights,
                 tail,
                 qb,
+                clamped_seq and has_seq,
             ],
             dtype=np.int64,
         )
@@ -567,7 +569,8 @@ class Fused:
         else:
             smax = np.full((1, max(p.n, 1)), -1, np.int64)
         sums = sq_sum[:, :m].sum(axis=0)
-        seq = {name: sums[:, i] for i, name in enumerate(j.SEQ_SUMS)}
+        names = j.SEQ_SUMS if clamped_seq else j.SEQ_SUMS[: -j.N_CLAMPED_SUMS]
+        seq = {name: sums[:, i] for i, name in enumerate(names)}
         seq[j.SEQ_MAX] = sq_mx[:, :m].max(axis=0)
         seq[j.SEQ_MIN] = sq_mn[:, :m].min(axis=0)
         return BatchOut(
