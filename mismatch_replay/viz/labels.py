@@ -4,20 +4,24 @@ presets with their frameworks).
 Design
 ------
 A figure collects `Label`s while it draws (the point, in data coordinates, and its text) and
-calls `place_labels` last, once: the layout is run first (`draw_without_rendering`,
-constrained layout places the panels at draw time), so the search works on the final display
-coordinates; the labels are then kept out of the layout, so placing them moves no panel (a
-figure that made its own Figure may then switch its layout engine off, as masked_fraction
-does: saving it does not lay it out again). Each label may go at one of `_RADII` x `_ANGLES`
-offsets (points) around its point, aligned so that its nearest corner or edge faces the
-point. A place is allowed when the label stays inside its panel, keeps `_GAP_PT` from every
-other label, covers no marker and no leader line, and its own leader crosses no other label;
-among those, the cost counts the drawn lines it covers (curves 6 per 1.5 px of line,
-reference lines such as the target 1.5), the curves its leader crosses (3), the distance (1
-per point) and a small preference for the upper right. Labels are placed greedily, in a few
-orders (the most crowded first, by x, by y), the cheapest arrangement kept and then improved
-one label at a time. A label placed further than `_LEADER_PT` from its point gets a thin
-leader line in its colour. Labels of one `group` with the same text at the same x or within
+calls `place_labels` last, once: the layout is run first, and only the layout (the figure's
+layout engine, on the Agg canvas savefig's PNG draws with: `style.agg_canvas`; constrained
+layout measures the panels' decorations itself, nothing is drawn), so the search works on
+the final display coordinates and text sizes; the labels are then kept out of the layout, so
+placing them moves no panel (a figure that made its own Figure may then switch its layout
+engine off, as masked_fraction does: saving it does not lay it out again). Each label may go
+at one of `_RADII` x `_ANGLES` offsets (points) around its point, aligned so that its
+nearest corner or edge faces the point. A place is allowed when the label stays inside its
+panel, keeps `_GAP_PT` from every other label, covers no marker and no leader line, and its
+own leader crosses no other label; among those, the cost counts the drawn lines it covers
+(curves 6 per 1.5 px of line, reference lines such as the target 1.5), the curves its leader
+crosses (3), the distance (1 per point) and a small preference for the upper right. Labels
+are placed greedily, in a few orders (the most crowded first, by x, by y), the cheapest
+arrangement kept and then improved one label at a time. What a place costs and whether the
+panel allows it (inside, off the markers) do not depend on the other labels: that is
+computed once per label (`_Panel.fixed`), and each step of the search checks only the labels
+already placed. A label placed further than `_LEADER_PT` from its point gets a thin leader
+line in its colour. Labels of one `group` with the same text at the same x or within
 `merge_pt` points of each other become one label (a band's two sides at one preset): the
 text is not repeated.
 
@@ -26,6 +30,7 @@ Gids: "<prefix>-label|<key>" on the text, "<prefix>-leader|<key>" on the leader 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +40,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.text import Text
+
+from .style import agg_canvas
 
 # where a label may go: rings of offsets (points) around its point, nearest first
 _RADII = (6.0, 11.0, 17.0, 25.0, 35.0, 48.0, 64.0)
@@ -73,12 +80,23 @@ _LEAD = _R > _LEADER_PT
 _T = np.linspace(0.0, 1.0, 12)  # points along a leader, for the label-crossing test
 
 
-def _renderer(fig: Figure):
-    """Run the layout (constrained layout places the panels at draw time) and return a
-    renderer to measure text with."""
-    fig.draw_without_rendering()
-    get = getattr(fig.canvas, "get_renderer", None)
-    return get() if get is not None else fig._get_renderer()
+def _renderer(fig: Figure, axes: Sequence[Axes]):
+    """Lay `fig` out as drawing it would and return the renderer to measure text with,
+    drawing nothing: the layout engine (constrained layout places the panels at draw time)
+    measures the panels' decorations itself, and the labels need only where the panels are
+    and their final limits (`axes`' autoscaling and aspect, as Axes.draw begins)."""
+    root = agg_canvas(fig)  # a Figure made without pyplot: measured as savefig's PNG draws
+    engine = root.get_layout_engine()
+    if root.axes and engine is not None:
+        # as Figure.draw: a figure too small to lay out is drawn as it is
+        with contextlib.suppress(ValueError):
+            engine.execute(root)
+    renderer = root._get_renderer()  # the layout's own (Agg keeps one per size and dpi)
+    for ax in axes:
+        ax._unstale_viewLim()
+        locator = ax.get_axes_locator()
+        ax.apply_aspect(locator(ax, renderer) if locator else None)
+    return renderer
 
 
 def _obstacles(ax: Axes, px: float) -> tuple[np.ndarray, ...]:
@@ -140,7 +158,8 @@ def _covers(boxes: np.ndarray, pts: np.ndarray, pad: float) -> np.ndarray:
 
 
 class _Panel:
-    """The search state of one panel: its frame, obstacles and the labels placed so far."""
+    """The search state of one panel: its frame, obstacles, and per label what does not
+    depend on the other labels (`_fixed`)."""
 
     def __init__(self, ax: Axes, px: float, renderer, font: FontProperties, labs: list[Label]):
         frame = ax.get_window_extent(renderer)
@@ -151,29 +170,24 @@ class _Panel:
         self.size = [
             renderer.get_text_width_height_descent(lab.text, font, ismath=False)[:2] for lab in labs
         ]
+        self._fixed: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def best(self, i: int, placed: dict[int, tuple[int, np.ndarray, np.ndarray]]):
-        """The cheapest allowed offset for label i given the others `placed` (label ->
-        (offset index, box, leader points)): (cost, offset index, box, leader points)."""
+    def fixed(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Label i at each offset: its box (k, 4), its leader's points (k, len(_T), 2) and
+        what it costs there (k,) given the lines alone, inf where the panel forbids it
+        (outside the frame, on a marker). Computed once per label: `best` asks for it in
+        every order tried and every improving pass."""
+        got = self._fixed.get(i)
+        if got is not None:
+            return got
         (ax_, ay), (w, h), px = self.anchors[i], self.size[i], self.px
         tx, ty = ax_ + _R * _C * px, ay + _R * _S * px  # the text's anchor: the leader's end
         x0, y0 = tx - _FX * w, ty - _FY * h
         boxes = np.column_stack([x0, y0, x0 + w, y0 + h])
         lo, hi = self.inner[:2], self.inner[2:]
         ok = (x0 >= lo[0]) & (y0 >= lo[1]) & (x0 + w <= hi[0]) & (y0 + h <= hi[1])
-        others = [v for j, v in placed.items() if j != i]
-        boxes_o = np.array([b for _, b, _ in others]).reshape(-1, 4)
-        leads_o = np.concatenate([lp for _, _, lp in others] + [np.zeros((0, 2))])
-        ok &= ~_hits(boxes, boxes_o, _GAP_PT[0] * px, _GAP_PT[1] * px) & ~_hits(
-            boxes, self.marks, 1.0
-        )
-        if leads_o.shape[0]:
-            ok &= ~_covers(boxes, leads_o, 1.0).any(axis=1)
-        # its own leader must cross no other label
+        ok &= ~_hits(boxes, self.marks, 1.0)
         seg = np.stack([ax_ + (tx - ax_)[:, None] * _T, ay + (ty - ay)[:, None] * _T], axis=-1)
-        if boxes_o.shape[0]:
-            inside = _covers(boxes_o, seg.reshape(-1, 2), 1.0).reshape(-1, len(_R), len(_T))
-            ok &= ~(_LEAD & inside.any(axis=(0, 2)))
         cost = np.full(len(_R), np.inf)
         if ok.any():
             near = (np.abs(self.pts[:, 0] - ax_) < 64 * px + w + 4) & (
@@ -190,6 +204,26 @@ class _Panel:
             far = np.hypot(rel[:, 0], rel[:, 1]) > 6.0 * px
             crossed = ((dist <= 1.5) & (curve & far)[:, None]).sum(0)
             cost[k] = c + 3.0 * crossed * _LEAD[k] + _PREFER[k]
+        self._fixed[i] = got = (boxes, seg, cost)
+        return got
+
+    def best(self, i: int, placed: dict[int, tuple[int, np.ndarray, np.ndarray]]):
+        """The cheapest allowed offset for label i given the others `placed` (label ->
+        (offset index, box, leader points)): (cost, offset index, box, leader points)."""
+        boxes, seg, fixed = self.fixed(i)
+        px = self.px
+        ok = np.isfinite(fixed)
+        others = [v for j, v in placed.items() if j != i]
+        boxes_o = np.array([b for _, b, _ in others]).reshape(-1, 4)
+        leads_o = np.concatenate([lp for _, _, lp in others] + [np.zeros((0, 2))])
+        ok &= ~_hits(boxes, boxes_o, _GAP_PT[0] * px, _GAP_PT[1] * px)
+        if leads_o.shape[0]:
+            ok &= ~_covers(boxes, leads_o, 1.0).any(axis=1)
+        # its own leader must cross no other label
+        if boxes_o.shape[0]:
+            inside = _covers(boxes_o, seg.reshape(-1, 2), 1.0).reshape(-1, len(_R), len(_T))
+            ok &= ~(_LEAD & inside.any(axis=(0, 2)))
+        cost = np.where(ok, fixed, np.inf)
         j = int(np.argmin(cost))
         if not np.isfinite(cost[j]):  # no allowed place: beside the point, upper right
             j = 1
@@ -266,7 +300,7 @@ def place_labels(
     the texts drawn. Call it after everything else is drawn: it runs the figure's layout."""
     if not labels:
         return []
-    renderer = _renderer(fig)
+    renderer = _renderer(fig, list({id(lab.ax): lab.ax for lab in labels}.values()))
     px = fig.dpi / 72.0  # display pixels per point
     font = FontProperties(size=size)
     by_ax: dict[int, list[Label]] = {}

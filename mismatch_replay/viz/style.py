@@ -15,20 +15,30 @@ The rest is shared drawing plumbing, public so that the figure modules (plane, c
 groups) take it from one place: three font sizes (LABEL, SMALL, NOTE points), four line
 styles (a second setting of a rule changes the style, never the colour), `fig_ax` (a new
 Figure, never pyplot, or the caller's Axes), `draw_line` (drops non-finite points: no NaN
-reaches matplotlib), `light_log_ticks`, and the settings helpers `settings_of` /
-`style_for` over the chosen settings' grouped tables. Labels of SPECs (`spec_label`) name
-the catalogue presets a setting equals ("IPO eps=0.3 (prime-rl)").
+reaches matplotlib), `light_log_ticks` (few minor ticks, none beyond the view:
+`InViewLogLocator`), and the settings helpers `settings_of` / `style_for` over the chosen
+settings' grouped tables. Labels of SPECs (`spec_label`) name the catalogue presets a
+setting equals ("IPO eps=0.3 (prime-rl)").
+
+`agg_canvas` puts a Figure made without pyplot on the canvas its text is measured and its
+PNG drawn with (labels' layout, render's PNGs): matplotlib's Agg canvas, whose renderers
+share one mathtext parser (`AggCanvas`), so a log axis's tick labels are parsed once per
+process and size rather than once per figure; a pyplot figure keeps its own canvas.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import polars as pl
 from matplotlib.axes import Axes
+from matplotlib.backend_bases import FigureCanvasBase
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.mathtext import MathTextParser
 from matplotlib.ticker import LogLocator, NullFormatter
 
 from ..rules import REGISTRY, Rule, parse_rule
@@ -100,13 +110,66 @@ def draw_line(ax: Axes, x, y, *, gid: str, label: str | None, **kw) -> Line2D:
     return ln
 
 
+class InViewLogLocator(LogLocator):
+    """LogLocator's ticks, less those the axis would not draw: matplotlib's LogLocator also
+    returns the decades beyond the view (a quarter of a log axis's ticks here), and the axis
+    makes a Tick object for each and moves it at every layout pass, only to leave it out of
+    the drawing. Kept: every tick within 0.1% of the view's log range of it (matplotlib
+    draws those within 1e-8 %), so what is drawn is the same."""
+
+    def __call__(self):
+        locs = np.asarray(super().__call__(), float)
+        vmin, vmax = self.axis.get_view_interval()
+        if locs.size == 0 or not (vmin > 0 and vmax > 0):
+            return locs
+        lo, hi = sorted((math.log(vmin), math.log(vmax)))
+        tol = 1e-3 * (hi - lo)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.log(locs)
+        return locs[~((t < lo - tol) | (t > hi + tol))]
+
+
 def light_log_ticks(ax: Axes) -> None:
     """Minor ticks at 2 and 5 only, unlabelled, on the log axes of `ax`: matplotlib makes a
-    Tick object per minor tick, and 9 per decade over 12 decades triple the drawing time."""
+    Tick object per minor tick, and 9 per decade over 12 decades triple the drawing time;
+    both locators stop at the view (`InViewLogLocator`)."""
     for axis in (ax.xaxis, ax.yaxis):
         if axis.get_scale() == "log":
-            axis.set_minor_locator(LogLocator(10.0, subs=(2.0, 5.0), numticks=12))
+            axis.set_major_locator(InViewLogLocator(axis.get_transform().base))
+            axis.set_minor_locator(InViewLogLocator(10.0, subs=(2.0, 5.0), numticks=12))
             axis.set_minor_formatter(NullFormatter())
+
+
+# One mathtext parser for every Agg renderer that draws these figures. matplotlib gives each
+# renderer its own, and makes a renderer per figure and resolution, so every figure would
+# parse its log-axis tick labels ("$\mathdefault{10^{-3}}$", ~3 ms each) again; a parse is
+# a pure function of the text, font, size and resolution, cached by the parser. Keyed by the
+# parser's output type: the first renderer's parser of each kind serves the later ones.
+_MATHTEXT: dict[object, MathTextParser] = {}
+
+
+class AggCanvas(FigureCanvasAgg):
+    """The Agg canvas, its renderers sharing one mathtext parser (`_MATHTEXT`)."""
+
+    def get_renderer(self):
+        renderer = super().get_renderer()
+        own = getattr(renderer, "mathtext_parser", None)
+        if isinstance(own, MathTextParser):
+            kind = getattr(own, "_output_type", None)
+            renderer.mathtext_parser = _MATHTEXT.setdefault(kind, own)
+        return renderer
+
+
+def agg_canvas(fig: Figure) -> Figure:
+    """Put the root figure of `fig` on an `AggCanvas` (savefig's PNG pixels, the renderer
+    kept while the size and resolution stay, parsed mathtext shared between figures) where
+    it has no canvas of its own: a Figure made without pyplot (on the base canvas, or on
+    Agg without a window manager). A pyplot figure keeps its canvas. Returns the root."""
+    root = fig.get_figure(root=True)
+    canvas = root.canvas
+    if type(canvas) in (FigureCanvasBase, FigureCanvasAgg) and canvas.manager is None:
+        AggCanvas(root)
+    return root
 
 
 def fraction_column(kind: str) -> str:
