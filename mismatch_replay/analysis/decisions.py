@@ -5,15 +5,16 @@ Design
 `decisions` answers the three questions users bring (which eps masks the target fraction,
 which tokens IPO and IcePop mask at their defaults and at an equal budget, did the run
 drift) by calling `choose`, `compare` (twice) and `drift`. `report_data` answers the same
-and builds the figure data in 6 replays (7 reads) of the log: the full sweep also holds
-choose's default grids (choose then needs one pass: refinement and bootstrap together); the
-per-step pass is robust and gives drift; the per-bucket pass; one numpy pass for both
-compare pairs, the budget pair at the settings choose found; the by-length replay of
-masked_by_length.png (a pre-pass counting each sequence's loss tokens, then the replay, on
-the few columns of `figure_data.LENGTH_SETTINGS`; neither where the log has no sample_id).
-No pass above can carry the by-length jobs: a replay has one grouping, and a length bucket
-needs every sequence's length before its first token is counted. Both return a
-`Decisions`.
+and builds the figure data and the inspect summary in two reads of the log. One read feeds
+three Tallies (`engine.replay_together`) and inspect's checks: the full sweep, which also
+holds choose's first grids and the two compared settings and keeps its tail (so choose's
+refinement and bootstrap and both compare tables, the budget pair at the settings choose
+found, are counted from the kept tokens: tail_counts.py); the chosen and watched settings
+per step, robust (drift); the chosen settings per q bucket. The second read is the
+by-length replay of masked_by_length.png, on the few columns of
+`figure_data.LENGTH_SETTINGS`, with each sequence's length from the first read (none where
+the log has no sample_id): a length bucket needs every sequence's length before its first
+token is counted, so no Tally of the first read can hold it. Both return a `Decisions`.
 """
 
 from __future__ import annotations

@@ -58,22 +58,22 @@ class TailCounts:
             return None
         if main.tail.cut is None and main.tail.tokens:  # a replay with no token job
             return None
-        got = main.tail.__dict__.get("_counts")  # one per replay: its scores and weights
+        got = main.tail.cache.get("counts")  # one per replay: its scores and weights
         if got is None or got.main is not main:
-            got = main.tail.__dict__["_counts"] = cls(main)
+            got = main.tail.cache["counts"] = cls(main)
         return got
 
     def _coordinate(self, job: engine.Job) -> int | None:
         """The kernel coordinate the replay binned this rule and parameter on (its kept
         tokens are those with that coordinate's bit), or None: every kept token."""
-        fused = getattr(self.main, "_fused", None)
-        if fused is None:
+        program = self.main.program
+        if program is None:
             return None
         k = _key(job)
         for ji, mj in enumerate(self.main.jobs):
-            if mj.rule.level == "token" and _key(mj) == k and fused.p.slot[ji] >= 0:
-                slot = fused.p.slot[ji]
-                for c, coord in enumerate(fused.p.coords):
+            if mj.rule.level == "token" and _key(mj) == k and program.slot[ji] >= 0:
+                slot = program.slot[ji]
+                for c, coord in enumerate(program.coords):
                     if slot in coord.slots:
                         return c
         return None

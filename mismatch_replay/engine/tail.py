@@ -28,8 +28,10 @@ replay's at a grid value, every masked token there is kept, and so at every stri
 (a token rule's masked set shrinks as its threshold rises). A job the tail does not cover
 where a consumer needs it falls back to a pass over the log: the same counts either way.
 
-Memory: ~48 bytes a kept token; `limit` (MAX_TOKENS by default) stops keeping beyond it
-(`off` says why; consumers then fall back).
+Memory: up to ~68 bytes a kept token (log-probs, advantage, bits, row, sequence id, step,
+sample id, position): ~5% of the tokens for a 0.25% target, 0.75 GB at 50M tokens in
+`choose`; `limit` (MAX_TOKENS, 16M tokens, ~1.1 GB) stops keeping beyond it (`off` says
+why, the kept ones are dropped, and consumers make their passes instead).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import polars as pl
 from ..rules import TokenBatch
 
 SAMPLE = 1 << 16  # tokens of the first batch the cutoffs are set on
-MAX_TOKENS = 1 << 25  # kept tokens before the tail stops keeping (~1.6 GB)
+MAX_TOKENS = 1 << 24  # kept tokens before the tail stops keeping (~1.1 GB)
 EXTRA = ("step", "sample_id", "position")  # columns kept as they are in the log
 
 
@@ -78,6 +80,8 @@ class Tail:
     count_steps: bool = False
     # tokens per inference-probability bucket (bins.Q_BUCKET_EDGES), counted by the kernel
     q_counts: np.ndarray | None = None
+    # what consumers derive from the kept tokens once per replay (analysis/tail_counts.py)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
     _joined: dict[str, np.ndarray] | None = None
 
     def set_cutoffs(self, coords, tb: TokenBatch) -> np.ndarray:

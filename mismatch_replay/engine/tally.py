@@ -174,6 +174,12 @@ class Tally:
         self.sequences.keys = keys
 
     @property
+    def program(self) -> fast.Program | None:
+        """The fused path's program of this Tally's token jobs (None: the simple path runs
+        them, or no batch came yet): which kernel coordinate bins which job."""
+        return self._fused.p if self._fused is not None else None
+
+    @property
     def m2po(self) -> M2POStore:
         """m2po's store of the steps not resolved yet."""
         return self.m2po_part.store
