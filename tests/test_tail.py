@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
-from brute import PARAMS, evaluate
+from brute import PARAMS, TOKEN_RULES, evaluate
 from conftest import random_log
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,20 +18,7 @@ from mismatch_replay.analysis.tail_counts import TailCounts
 from mismatch_replay.engine import readout
 from mismatch_replay.rules import parse_rule
 
-TOKEN_SPECS = (
-    "ipo",
-    "ipo-v1",
-    "icepop",
-    "icepop@prime-rl",
-    "token-mis",
-    "kpop@prime-rl",
-    "token-k2",
-    "token-k3",
-    "dppo-tv",
-    "dppo-kl",
-    "ppo-clip",
-    "dual-clip",
-)
+TOKEN_SPECS = (*TOKEN_RULES, "icepop@prime-rl", "kpop@prime-rl")
 FUSED = fast.backend() == "numba"
 
 

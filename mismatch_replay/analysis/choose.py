@@ -283,24 +283,13 @@ def choose(
             s.passes += bp.read
     # 3. what is still open (m2po; a bracket those points could not settle)
     refine(plan, searches, target, tol, max_passes - 2, tally, progress)
-    where = {i: k for k, i in enumerate(inpass)}
-    for i, s in enumerate(searches):
-        best, frac, status, _ = s.state(target, tol)
-        if status == "refine":
-            status = f"not converged: not within {tol:.0%} after {s.passes} passes"
-        status, _, note = status.partition(": ")
-        lo = hi = None
-        if bootstrap and status != "out of range":
-            k = where.get(i)
-            if k is None or bp is None or bp.reps[k] is None:
-                boot_note = _no_boot_note(s.job)
-            else:
-                lo, hi, boot_note = _ci_from(bjobs[k], bp.reps[k], bp.tokens[k], target)
-            note = "; ".join(x for x in (note, boot_note) if x)
-        row = _choice(s.job, best, frac, target, lo, hi, status, note, s.tokens, s.passes)
-        if curve:
-            row.curve = _curve(s, best)
-        rows.append(row)
+    boot = {}
+    if bp is not None:
+        boot = {i: (bjobs[k], bp.reps[k], bp.tokens[k]) for k, i in enumerate(inpass)}
+    rows = _rows(searches, target, tol, bootstrap, boot)
+    if curve:
+        for row, s in zip(rows, searches, strict=True):
+            row.curve = _curve(s, row.value)
     return ChooseResult(target, rows)
 
 
@@ -341,9 +330,15 @@ def _with_tail(
             boot[i] = (bj, bp.reps[k], bp.tokens[k])
         for s in searches:
             s.passes += bp.read
+    return _rows(searches, target, tol, bootstrap, boot)
+
+
+def _rows(searches, target, tol, bootstrap, boot: dict) -> list[Choice]:
+    """Each search's Choice, its interval from `boot` (search index -> (bootstrap job,
+    (B, K) replicate counts or None, (B,) replicate tokens))."""
     rows = []
-    for i, (s, st) in enumerate(zip(searches, states, strict=True)):
-        best, frac, status, _ = st
+    for i, s in enumerate(searches):
+        best, frac, status, _ = s.state(target, tol)
         if status == "refine":
             status = f"not converged: not within {tol:.0%} after {s.passes} passes"
         status, _, note = status.partition(": ")
