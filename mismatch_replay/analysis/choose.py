@@ -67,6 +67,7 @@ BOOT_COLUMNS = 25  # grid points a replicate is read at (the interval's resoluti
 BOOT_WIDEN = 2  # default grid points the bootstrap's range extends the bracket by, each side
 BOOT_SIGMAS = 6.0  # with the tail: relative standard errors the columns span, each side
 BOOT_MARGIN = 0.02  # ... plus this relative margin on the fraction
+BOOT_SEARCH = 64  # points between an end of the columns and the answer it is pulled in on
 CURVE_POINTS = 11  # the report's table: masked fraction at grid values around the choice
 
 
@@ -355,11 +356,14 @@ def _rows(searches, target, tol, bootstrap, boot: dict) -> list[Choice]:
 
 
 def _boot_job(s: Search, best: float, target: float, tc: TailCounts, unit: str):
-    """The bootstrap columns around a token rule's answer: BOOT_COLUMNS points between
-    the evaluated values where the masked fraction is target (1 + d) and target (1 - d),
-    d = BOOT_SIGMAS relative standard errors of the fraction at the answer (the tail's
-    `spread`) + BOOT_MARGIN, so that every replicate's crossing lies inside; None where
-    the tail cannot say (the answer's masked tokens not all kept)."""
+    """The bootstrap columns around a token rule's answer: BOOT_COLUMNS points between the
+    values where the masked fraction is target (1 + d) and target (1 - d), d = BOOT_SIGMAS
+    relative standard errors of the fraction at the answer (the tail's `spread`) +
+    BOOT_MARGIN, so that every replicate's crossing lies inside. Each end is the evaluated
+    value past that fraction, then pulled in to the last of BOOT_SEARCH points between it
+    and the answer still past it (counted from the tail: the range stays as narrow as the
+    data allow, and inside what the tail covers). None where the tail cannot say (the
+    answer's masked tokens not all kept)."""
     rule, param = s.job.rule, s.job.param
     one = engine.Job(rule, param, np.array([best]))
     if not tc.covers(one):
@@ -373,9 +377,24 @@ def _boot_job(s: Search, best: float, target: float, tc: TailCounts, unit: str):
     vt, ft = s.values[order], s.hits[order] / s.tokens
     above = np.flatnonzero(ft >= target * (1 + d))
     below = np.flatnonzero(ft <= target * (1 - d))
-    lo = vt[above[-1]] if above.size else vt[0]
-    hi = vt[below[0]] if below.size else vt[-1]
+    lo = _pull_in(s, tc, vt[above[-1]] if above.size else vt[0], best, target * (1 + d), True)
+    hi = _pull_in(s, tc, vt[below[0]] if below.size else vt[-1], best, target * (1 - d), False)
     return engine.Job(rule, param, np.unique(np.r_[grid_between(lo, hi, BOOT_COLUMNS), best]))
+
+
+def _pull_in(s: Search, tc: TailCounts, end: float, best: float, f: float, loose: bool):
+    """The value nearest the answer, of BOOT_SEARCH points from `end` to it, whose masked
+    fraction is still past `f` (at least f on the loose side, at most f on the strict
+    side), counted from the tail; `end` itself where none is."""
+    job = engine.Job(s.job.rule, s.job.param, grid_between(end, best, BOOT_SEARCH))
+    frac = tc.hits(job) / s.tokens  # a lower bound where the tail does not cover
+    thr = job.thresholds
+    ok = frac >= f if loose else frac <= f
+    if not ok.any():
+        return end
+    pick = np.flatnonzero(ok)
+    i = pick[np.argmax(thr[pick])] if loose else pick[np.argmin(thr[pick])]
+    return float(job.values[i])
 
 
 def _no_boot_note(job: engine.Job) -> str:

@@ -41,7 +41,6 @@ from ..rules import Rule, parse_grid
 from .tail_counts import TailCounts, suffix_values
 
 REFINE_POINTS = 64
-DENSE_STEP = 16  # points `dense` puts between two default grid points
 FIRST_DENSE = {"token": 3, "step": 64}  # ... in a search's first replay (`first_job`)
 
 
@@ -52,9 +51,9 @@ def tail_fraction(target: float) -> float:
     return min(0.25, 3.0 * target + 0.001)
 
 
-def dense(values: np.ndarray, m: int = DENSE_STEP) -> np.ndarray:
+def dense(values: np.ndarray, m: int) -> np.ndarray:
     """`values` with m points between each two (geometric on a positive range): a search's
-    first grid where passes are dear (m2po refines in passes of its own; compare --budget)."""
+    first grid (`first_job`)."""
     pieces = [values] + [grid_between(a, b, m + 2)[1:-1] for a, b in itertools.pairwise(values)]
     return np.unique(np.concatenate(pieces))
 

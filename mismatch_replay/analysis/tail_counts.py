@@ -125,18 +125,23 @@ class TailCounts:
         if got is not None:
             return got
         got = np.inf
-        for ji, mj in enumerate(self.main.jobs):
-            if mj.rule.level != "token" or _key(mj) != k:
-                continue
-            values, exact, _ = readout.job_counts(self.main, ji)
-            mine = self._counts(engine.Job(mj.rule, mj.param, values))
-            thr = engine.Job(mj.rule, mj.param, values).thresholds
-            order = np.argsort(thr, kind="stable")[::-1]  # strictest first
-            for i in order:
+        # every grid the replay evaluated for this rule and parameter (the sweep's and a
+        # search's first grid may both be there), strictest value first
+        found = [
+            (mj, readout.job_counts(self.main, ji))
+            for ji, mj in enumerate(self.main.jobs)
+            if mj.rule.level == "token" and _key(mj) == k
+        ]
+        if found:
+            mj = found[0][0]
+            values = np.concatenate([c[0] for _, c in found])
+            exact = np.concatenate([c[1] for _, c in found])
+            union = engine.Job(mj.rule, mj.param, values)
+            mine, thr = self._counts(union), union.thresholds
+            for i in np.argsort(thr, kind="stable")[::-1]:
                 if mine[i] != exact[i]:
                     break
                 got = min(got, float(thr[i]))
-            break
         self._cover[k] = got
         return got
 
