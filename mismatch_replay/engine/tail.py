@@ -30,8 +30,9 @@ where a consumer needs it falls back to a pass over the log: the same counts eit
 
 Memory: 68 bytes a kept token (log-probs, advantage, bits, row, sequence id, step, sample
 id, position): in `choose` with a 0.25% target on the benchmark log, 4.4% of the tokens,
-57 MiB at 20M tokens and 144 MiB at 50M; `limit` (MAX_TOKENS, 16M tokens, ~1.1 GB) stops keeping beyond it (`off` says
-why, the kept ones are dropped, and consumers make their passes instead).
+57 MiB at 20M tokens and 144 MiB at 50M. `limit` (MAX_TOKENS, 16M tokens, ~1.1 GB) stops
+keeping beyond it (`off` says why, the kept ones are dropped, and consumers make their
+passes instead).
 """
 
 from __future__ import annotations
