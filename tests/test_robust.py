@@ -352,3 +352,17 @@ def test_an_empty_batch_adds_nothing():
         robust.add_robust_numpy(
             _state(), pl.DataFrame(), TokenBatch(empty, empty), empty.astype(int), 2
         )
+
+
+def test_k3_bin_does_not_depend_on_numpys_log10(monkeypatch):
+    """k3_bin takes its log from pmath (the same bits on every CPU): with numpy's log10
+    made unusable it bins as before, edges, zero and inf included."""
+    k3 = np.r_[0.0, 1e-300, robust.EDGES[2:50], robust.EDGES[2:50] * (1 + 2e-16), 0.3, np.inf]
+    want = k3_bin(k3)
+
+    def no(*a, **k):
+        raise AssertionError("np.log10 called")
+
+    monkeypatch.setattr(np, "log10", no)
+    assert np.array_equal(k3_bin(k3), want)
+    assert want[0] == 0 and want[-1] == K3_BINS

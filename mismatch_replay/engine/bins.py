@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import fast
+from .. import fast, pmath
 
 # --by q_bucket: inference-probability buckets, labelled by their lower edge.
 Q_BUCKET_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
@@ -34,6 +34,7 @@ SCATTER_LOG10_MIN = -8.0  # log panel spans 1e-8 .. 1; smaller probabilities go 
 # --robust: per-group histogram of log10 k3 (k3 = 0 goes to bin 0), for medians and trimmed
 # means that a handful of extreme tokens cannot move; and each group's top tokens by k3.
 K3_LOG10_MIN, K3_LOG10_MAX, K3_BINS = -20.0, 4.0, 2400  # 0.01-decade bins
+_LN10 = math.log(10.0)
 TOP_TOKENS = 5
 
 
@@ -54,9 +55,12 @@ def scatter_index(x: np.ndarray, log: bool) -> np.ndarray:
 
 
 def k3_bin(k3: np.ndarray) -> np.ndarray:
-    """--robust: each k3's bin of the log10 histogram, 1 .. K3_BINS (k3 = 0: bin 0)."""
+    """--robust: each k3's bin of the log10 histogram, 1 .. K3_BINS (k3 = 0: bin 0). log10
+    is pmath's log divided by ln 10: the same bits on every CPU (numpy's log10 differs in
+    the last bit between its AVX-512 loops and others, which moved a k3 within ~1e-14 of a
+    bin edge from one bin to the next)."""
     with np.errstate(divide="ignore"):
-        x = np.log10(np.where(k3 > 0, k3, 1.0))  # k3 = 0 goes to bin 0 below
+        x = pmath.log(np.where(k3 > 0, k3, 1.0)) / _LN10  # k3 = 0 goes to bin 0 below
     x = np.clip(
         x, K3_LOG10_MIN - 1.0, K3_LOG10_MAX + 1.0
     )  # inf (l > 709): the top bin, no cast warning

@@ -5,7 +5,7 @@ group g, the count and the k3 sum of every bin of `bins.k3_bin` (k3 = expm1(c) -
 clipped to +-LOG_CLAMP, pmath's expm1), and the TOP_TOKENS tokens of largest k3 with their
 p, q and step / sample_id / position columns. The reference pays, per 1M-token batch, a
 full `np.lexsort((-k3, g))`, two `np.bincount`s, np.clip, a numpy-pass pmath.expm1 and
-np.log10, and the whole batch's p and q (TokenBatch.p, .q): ~0.25 s per 1M tokens, the
+k3_bin's log, and the whole batch's p and q (TokenBatch.p, .q): ~0.25 s per 1M tokens, the
 largest single cost of a report.
 
 Design
@@ -16,10 +16,10 @@ Design
 * k3, bit for bit: l = lp - lq (or TokenBatch.l when it is cached or not float64), clipped
   with NaN and -0.0 passing through as np.clip lets them, then `fast.vmath.vexpm1(c) - c`:
   vexpm1 is bit-identical to pmath.expm1 (tests/test_pmath.py), so k3 is the reference's.
-* The bin, without a logarithm. bins.k3_bin uses np.log10, which numpy dispatches at run
-  time (on AVX-512, its own loops: they differ from the C library in the last bit on ~1% of
-  values), so k3_bin's decision for a k3 within a few ulps of a bin edge can depend on the
-  CPU. The kernel never evaluates a log10: it compares k3 with the edges
+* The bin, without a logarithm. bins.k3_bin takes log10 as pmath's log over ln 10 (the same
+  bits on every CPU; numpy's own log10 differed in the last bit between its AVX-512 loops
+  and others, which could move a k3 within a few ulps of a bin edge). The kernel never
+  evaluates a log10: it compares k3 with the edges
   E[b] = 10^(K3_LOG10_MIN + (b - 1) * 0.01) (b = 2 .. K3_BINS; a 20 KB table indexed by
   k3's exponent and top 7 mantissa bits gives the candidate, one or two comparisons finish
   it). A k3 within relative 2^-36 (1.5e-11) of an edge is *flagged* (bin -1) and binned by
