@@ -298,3 +298,19 @@ def golden_log() -> Path:
 @pytest.fixture
 def golden_expected() -> pl.DataFrame:
     return pl.read_csv(GOLDEN_EXPECTED)
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list:
+    """A list that gains an entry each time the package starts a read of a log
+    (ingest.iter_batches, wherever a module imported it)."""
+    from mismatch_replay import ingest
+
+    seen: list = []
+    real = ingest.iter_batches
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mismatch_replay") and getattr(mod, "iter_batches", None) is real:
+            monkeypatch.setattr(
+                mod, "iter_batches", lambda *a, **k: seen.append(1) or real(*a, **k)
+            )
+    return seen

@@ -163,27 +163,19 @@ def test_the_reports_shared_read_gives_inspects_summary():
     assert a["tokens"].to_list() == b["tokens"].to_list()
 
 
-def test_report_data_reads_the_log_twice(monkeypatch, tmp_path):
+def test_report_data_reads_the_log_twice(reads, tmp_path):
     """One shared read for the sweep, choose, both compares, drift, the per-step and
     per-bucket tables and inspect's summary, and one for the by-length table (on the
     fused path; the simple path keeps no tail: choose and compare make their passes). The
     log has 240k tokens: on a much smaller one the bootstrap's spread can reach past what
     the tail keeps, and choose then makes the pass (tests/test_tail.py)."""
-    import sys
 
     from test_analysis import random_log
 
-    from mismatch_replay import analysis, fast, ingest
+    from mismatch_replay import analysis, fast
 
     log = random_log(tmp_path / "log.parquet", 5, steps=10, seqs=120, length=200)
 
-    reads = []
-    real = ingest.iter_batches
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("mismatch_replay") and getattr(mod, "iter_batches", None) is real:
-            monkeypatch.setattr(
-                mod, "iter_batches", lambda *a, **k: reads.append(1) or real(*a, **k)
-            )
     _, dec = analysis.report_data([log], bootstrap=50)
     if fast.backend() == "numba":
         assert len(reads) == 2
