@@ -175,20 +175,23 @@ class TailCounts:
         token as an index into ids)."""
         if self._weights is not None and self._weights[0] == (B, unit, seed):
             return self._weights[1]
-        a = self.tail.arrays()
-        if unit == "sequence":
-            n = self.main.seq_stats().n
-            ids = np.arange(n.shape[0], dtype=np.int64)
-            where = a["seq"]
-        else:
-            steps = sorted(self.tail.step_counts)
-            ids = np.asarray(steps, dtype=np.int64)
-            n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
-            where = np.searchsorted(ids, a["step"].astype(np.int64))
+        ids, n, where = self._units(unit)
         wt = engine.poisson_weights(ids, B, seed, transposed=True)
         got = (ids, wt, n @ wt, where)
         self._weights = ((B, unit, seed), got)
         return got
+
+    def _units(self, unit: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids of the bootstrap units, each unit's loss tokens, the unit of each kept token
+        as an index into ids): sequences as the replay numbered them, or steps."""
+        a = self.tail.arrays()
+        if unit == "sequence":
+            n = self.main.seq_stats().n
+            return np.arange(n.shape[0], dtype=np.int64), n, a["seq"]
+        steps = sorted(self.tail.step_counts)
+        ids = np.asarray(steps, dtype=np.int64)
+        n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
+        return ids, n, np.searchsorted(ids, a["step"].astype(np.int64))
 
     def sequence_weights(self, B: int, seed: int) -> np.ndarray:
         """(B, sequences) Poisson weights of the sequences (Tally.seq_unit_weights' draws
@@ -214,14 +217,7 @@ class TailCounts:
         """The bootstrap's relative standard error of the masked fraction at the job's one
         value (units resampled with Poisson(1) weights, the ratio estimator's delta
         method); None where nothing is masked."""
-        a = self.tail.arrays()
-        if unit == "sequence":
-            n = self.main.seq_stats().n
-            where = a["seq"]
-        else:
-            steps = sorted(self.tail.step_counts)
-            n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
-            where = np.searchsorted(np.asarray(steps, dtype=np.int64), a["step"].astype(np.int64))
+        _, n, where = self._units(unit)
         hit = self._bins(job) > 0
         c = np.bincount(self._units_of(job, where)[hit], minlength=n.shape[0]).astype(float)
         total = c.sum()
