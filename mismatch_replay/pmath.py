@@ -27,8 +27,12 @@ The algorithms (the same as `fast.vmath`'s; see there for the derivations):
   as in the C library).
 
 Accuracy: within 2-3 ulps of the correctly rounded result (measured on millions of values in
-tests/test_pmath.py). Speed: ~10-20 numpy passes per call, ~15-30 ns a value; the simple
-path calls them a handful of times per token, against ~3 us a token for the rest of its work.
+tests/test_pmath.py). Speed: ~10-20 numpy passes per call, ~15-30 ns a value. Once the fused
+backend has loaded (fast.compiled()), it registers its compiled loops (`use_kernel`: fast.vmath's
+`apply`, the same bits), and `exp`, `expm1` and `log` hand arrays of KERNEL_MIN values or more
+to them, ~10x faster: the rules' `score()` on a replay's kept tokens, a sample, the simple path
+after a fused replay. `exp_numpy`, `expm1_numpy` and `log_numpy` are the numpy code, always
+(the tests compare the two). pmath imports nothing of the project: the kernel comes to it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,35 @@ TINY = 2.2250738585072014e-308  # smallest normal float64
 _F = [1.0 / f for f in (2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0, 362880.0)]
 _F += [1.0 / 3628800.0, 1.0 / 39916800.0, 1.0 / 479001600.0]
 _F2, _F3, _F4, _F5, _F6, _F7, _F8, _F9, _F10, _F11, _F12 = _F
+
+
+KERNEL_MIN = 4096  # values from which a call goes to the registered kernel
+_kernel = None  # a function returning the kernel's apply(kind, x, out), or None (use_kernel)
+
+
+def use_kernel(source) -> None:
+    """Register where the compiled exp/expm1/log are: `source()` returns a function
+    apply(kind, x, out) (kind 0 exp, 1 expm1, 2 log; out = f(x) on 1-D float64 arrays, the
+    same bits as the numpy code here), or None where it may not run now (the numpy
+    backend forced). None unregisters."""
+    global _kernel
+    _kernel = source
+
+
+def _kernel_call(kind: int, x: np.ndarray) -> np.ndarray | None:
+    if _kernel is None or x.size < KERNEL_MIN:
+        return None
+    apply = _kernel()
+    if apply is None:
+        return None
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty_like(flat)
+    apply(kind, flat, out)
+    if kind == 2:  # the kernel's log takes positive finite values (its callers clamp)
+        odd = ~((flat > 0.0) & (flat < np.inf))
+        if odd.any():
+            out[odd] = log_numpy(flat[odd])
+    return out.reshape(x.shape)
 
 
 def _arr(x) -> tuple[np.ndarray, bool]:
@@ -100,6 +133,28 @@ def _pow2(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def exp(x):
     """exp(x), elementwise, float64; the same bits on every CPU."""
     x, scalar = _arr(x)
+    y = _kernel_call(0, x)
+    return _out(exp_numpy(x) if y is None else y, scalar)
+
+
+def expm1(x):
+    """exp(x) - 1, elementwise, float64, accurate near 0; the same bits on every CPU."""
+    x, scalar = _arr(x)
+    y = _kernel_call(1, x)
+    return _out(expm1_numpy(x) if y is None else y, scalar)
+
+
+def log(x):
+    """log(x), elementwise, float64; the same bits on every CPU. log(0) = -inf, log(inf) =
+    inf, NaN for x < 0 or NaN."""
+    x, scalar = _arr(x)
+    y = _kernel_call(2, x)
+    return _out(log_numpy(x) if y is None else y, scalar)
+
+
+def exp_numpy(x):
+    """`exp` in numpy, whatever kernel is registered."""
+    x, scalar = _arr(x)
     kbits, r = _reduce(x)
     e = 1.0 + _expm1_series(r)
     s1, s2 = _pow2(kbits.view(np.int64))
@@ -108,8 +163,8 @@ def exp(x):
     return _out(y, scalar)
 
 
-def expm1(x):
-    """exp(x) - 1, elementwise, float64, accurate near 0; the same bits on every CPU."""
+def expm1_numpy(x):
+    """`expm1` in numpy, whatever kernel is registered."""
     x, scalar = _arr(x)
     kbits, r = _reduce(x)
     em = _expm1_series(r)
@@ -124,9 +179,8 @@ def expm1(x):
     return _out(np.where(near, small, big), scalar)
 
 
-def log(x):
-    """log(x), elementwise, float64; the same bits on every CPU. log(0) = -inf, log(inf) =
-    inf, NaN for x < 0 or NaN."""
+def log_numpy(x):
+    """`log` in numpy, whatever kernel is registered."""
     x, scalar = _arr(x)
     sub = x < TINY
     with np.errstate(over="ignore", invalid="ignore"):

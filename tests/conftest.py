@@ -300,17 +300,37 @@ def golden_expected() -> pl.DataFrame:
     return pl.read_csv(GOLDEN_EXPECTED)
 
 
+class Reads(list):
+    """The reads of a log the package made, one entry (its batches) per read that went on
+    past its first batch or to the end; `partial` counts the reads stopped after their first
+    batch (a sample read ahead: engine.first_sample)."""
+
+    partial = 0
+
+
 @pytest.fixture
-def reads(monkeypatch) -> list:
-    """A list that gains an entry each time the package starts a read of a log
-    (ingest.iter_batches, wherever a module imported it)."""
+def reads(monkeypatch) -> Reads:
+    """A Reads that gains an entry each time the package reads a log (ingest.iter_batches,
+    wherever a module imported it), when that read ends."""
     from mismatch_replay import ingest
 
-    seen: list = []
+    seen = Reads()
     real = ingest.iter_batches
+
+    def counted(*a, **k):
+        n, whole = 0, False
+        try:
+            for item in real(*a, **k):
+                n += 1
+                yield item
+            whole = True
+        finally:
+            if whole or n > 1:
+                seen.append(n)
+            else:
+                seen.partial += 1
+
     for name, mod in list(sys.modules.items()):
         if name.startswith("mismatch_replay") and getattr(mod, "iter_batches", None) is real:
-            monkeypatch.setattr(
-                mod, "iter_batches", lambda *a, **k: seen.append(1) or real(*a, **k)
-            )
+            monkeypatch.setattr(mod, "iter_batches", counted)
     return seen

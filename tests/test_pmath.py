@@ -49,9 +49,46 @@ def test_pmath_is_bit_identical_to_the_kernels_functions(name, kind, x, _):
 
     out = np.empty_like(x)
     vmath.apply(kind, x, out)
-    y = getattr(pmath, name)(x)
+    y = getattr(pmath, f"{name}_numpy")(x)
     same = out.view(np.uint64) == y.view(np.uint64)
     assert same.all(), (name, x[~same][:5], out[~same][:5], y[~same][:5])
+
+
+@needs_numba
+@pytest.mark.parametrize(("name", "kind", "x", "_"), CASES)
+def test_pmath_hands_long_arrays_to_the_kernel_only_on_the_fused_backend(
+    monkeypatch, name, kind, x, _
+):
+    """Once the fused backend has loaded, pmath's functions run vmath's loops on arrays of
+    KERNEL_MIN values or more (the same bits as the numpy code), and never while the numpy
+    backend is forced (the reference path runs numpy's code)."""
+    from mismatch_replay.fast import vmath
+
+    fast.compiled()
+    calls = []
+    real = vmath.apply
+
+    def counted(k, a, out):
+        calls.append((k, a.shape[0]))
+        return real(k, a, out)
+
+    monkeypatch.setattr(vmath, "apply", counted)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, -1.0, 5e-324, 1e-310, 1e308, -1e3, 1e3]
+    x = np.r_[x, np.tile(special, 500)]  # also where the kernel's own callers never go
+    f, ref = getattr(pmath, name), getattr(pmath, f"{name}_numpy")(x)
+    y = f(x)
+    assert calls == [(kind, x.shape[0])]
+    assert np.array_equal(np.isnan(y), np.isnan(ref))
+    assert (y[~np.isnan(y)].view(np.uint64) == ref[~np.isnan(ref)].view(np.uint64)).all()
+    two_d = f(x[: 2 * pmath.KERNEL_MIN].reshape(2, -1))  # any shape, the same values
+    assert two_d.shape == (2, pmath.KERNEL_MIN)
+    assert (two_d.reshape(-1).view(np.uint64) == ref[: 2 * pmath.KERNEL_MIN].view(np.uint64)).all()
+    calls.clear()
+    f(x[: pmath.KERNEL_MIN - 1])  # short arrays: numpy
+    with fast.use_backend("numpy"):
+        z = f(x)
+    assert calls == []
+    assert np.array_equal(z, ref, equal_nan=True)
 
 
 @pytest.mark.parametrize(("name", "kind", "x", "libm"), CASES)

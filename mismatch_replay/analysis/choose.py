@@ -54,9 +54,9 @@ from .search import (
     REFINE_POINTS,
     Search,
     choice_jobs,
-    first_job,
+    find_job,
+    first_replay_jobs,
     grid_between,
-    job_key,
     one_pass,
     refine,
     tail_fraction,
@@ -210,27 +210,25 @@ def choose(
             rows.append(_choice(job, values[0], frac, None, lo, hi, "ok", note, tokens, 1))
         return ChooseResult(None, rows)
     target = target_fraction
-    # 1. the default grids made denser (search.first_job), keeping the tail that settles
-    # the token rules' refinement and bootstrap with no second pass (tail_counts.py)
-    first = [first_job(j) for j in jobs]
+    # 1. the default grids, denser near the target (search.first_jobs), keeping the tail
+    # that settles the token rules' refinement and bootstrap with no second pass
     if tally is None:
-        tail = engine.Tail(tail_fraction(target), count_steps=unit == "step")
+        first = first_replay_jobs(plan, jobs, target)
+        tail = engine.Tail(
+            tail_fraction(target),
+            count_steps=unit == "step",
+            extra=("step",) if unit == "step" else (),  # the bootstrap's units: no more
+            count_q=False,
+        )
         tally = engine.replay(
             plan, jobs=first, progress=progress, final=True, tail=tail, scatter=False
         )
         index = list(range(len(jobs)))
     else:  # the caller's replay (its first jobs, or the default grids): find each job
-        keys = {job_key(j): i for i, j in enumerate(tally.jobs)}
-        missing = [
-            j.label
-            for j, f in zip(jobs, first, strict=True)
-            if not {job_key(f), job_key(j)} & keys.keys()
-        ]
+        index = [find_job(tally.jobs, j) for j in jobs]
+        missing = [j.label for j, i in zip(jobs, index, strict=True) if i is None]
         if missing:
             raise ValueError(f"choose(tally=...): the replay lacks the job(s) {missing}")
-        index = [
-            keys.get(job_key(f), keys.get(job_key(j))) for j, f in zip(jobs, first, strict=True)
-        ]
     searches = []
     for job, ji in zip(jobs, index, strict=True):
         values, hits, tokens = readout.job_counts(tally, ji)
@@ -300,6 +298,7 @@ def _with_tail(
     """Steps 2 and 3 where the first replay kept its tail: the refinement first (counted
     from the tail where it covers: no pass), then each answer's bootstrap on columns placed
     around it (`_boot_job`: the tail's replicates; a pass only for what it does not cover)."""
+    tc.prepare([s.job for s in searches], (bootstrap, unit, seed))
     fine_of = [i for i, c in enumerate(coarse) if c[2] == "refine"]
     fine = [
         engine.Job(s.job.rule, s.job.param, grid_between(*coarse[i][3], 2 * REFINE_POINTS))
@@ -314,16 +313,26 @@ def _with_tail(
             s.passes += bp.read
     refine(plan, searches, target, tol, max_passes - 2, tally, progress)
     states = [s.state(target, tol) for s in searches]
+    todo = [
+        i
+        for i, (s, st) in enumerate(zip(searches, states, strict=True))
+        if bootstrap and s.job.rule.level != "step" and not st[2].startswith("out of range")
+    ]
+
+    def columns(i: int):  # the bootstrap columns around answer i, counted where covered
+        s = searches[i]
+        bj = _boot_job(s, states[i][0], target, tc, unit) if s.job.rule.level == "token" else None
+        if bj is not None and tc.covers(bj):
+            return bj, tc.replicates(bj, bootstrap, unit, seed)
+        return bj, None
+
     boot: dict[int, tuple] = {}
     pending: list[tuple[int, engine.Job]] = []
-    for i, (s, st) in enumerate(zip(searches, states, strict=True)):
-        level = s.job.rule.level
-        if not bootstrap or level == "step" or st[2].startswith("out of range"):
-            continue
-        bj = _boot_job(s, st[0], target, tc, unit) if level == "token" else None
-        if bj is not None and tc.covers(bj):
-            boot[i] = (bj, *tc.replicates(bj, bootstrap, unit, seed))
+    for i, (bj, reps) in zip(todo, tc.map(columns, todo), strict=True):
+        if reps is not None:
+            boot[i] = (bj, *reps)
         else:
+            s = searches[i]
             pending.append((i, bj or engine.Job(s.job.rule, s.job.param, _boot_grid(s, coarse[i]))))
     if pending:
         bp = one_pass(plan, [], [j for _, j in pending], bootstrap, unit, seed, tally, progress)

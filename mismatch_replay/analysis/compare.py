@@ -17,7 +17,7 @@ report's two), scoring each rule with its own `score()` on each batch; a sequenc
 first needs which sequences it masks (one more replay, shared by the pairs, read from its
 sequence statistics). The counts are the same either way (tests/test_tail.py). `budget`
 first sets both rules' primary parameters to mask the same fraction (iso-budget comparison:
-both searched in one replay on choose's first grids, `search.first_job`, then refined like
+both searched in one replay on choose's first grids, `search.first_jobs`, then refined like
 `choose` from that replay's tail, which then also holds both settings' masked tokens), or
 takes settings already found (`budget_settings`, e.g. choose's, as the report does). m2po
 (it ranks whole steps) and weight rules (they mask nothing) are refused.
@@ -39,7 +39,7 @@ from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..rules import Rule, TokenBatch, parse_grid, parse_rule
-from .search import Search, first_job, refine, tail_fraction
+from .search import Search, first_replay_jobs, refine, tail_fraction
 from .tail_counts import TailCounts
 
 CELLS = ("both", "only_a", "only_b", "neither")
@@ -161,13 +161,14 @@ def _budget_rules(
     plan, rules: Sequence[Rule], budget: float, progress
 ) -> tuple[list[tuple[Rule, BudgetSetting]], engine.Tally]:
     """Each rule set to mask `budget` of the tokens (its primary parameter), all rules in one
-    replay on choose's first grids (`search.first_job`), then refined like `choose` (from
+    replay on choose's first grids (`search.first_jobs`), then refined like `choose` (from
     the replay's tail, with no pass, where it covers). Also returns that
     replay: its tail holds both settings' masked tokens, as a rule (`compare_pass`)."""
     jobs = []
     for rule in rules:
         param = rule.primary_param()
-        jobs.append(first_job(engine.Job(rule, param, parse_grid(rule.param(param).grid))))
+        jobs.append(engine.Job(rule, param, parse_grid(rule.param(param).grid)))
+    jobs = first_replay_jobs(plan, jobs, budget)
     tail = engine.Tail(tail_fraction(budget))  # refinement and the table from its tokens
     tally = engine.replay(plan, jobs=jobs, progress=progress, final=True, tail=tail, scatter=False)
     searches = []

@@ -32,7 +32,7 @@ from .choose import Choice, ChooseResult, choose
 from .compare import CompareResult, compare, compare_pass, compare_setup
 from .drift import DriftResult, drift, drift_from, drift_rules
 from .figure_data import NO_LENGTH_NOTE, FigureData, default_settings, length_table
-from .search import choice_jobs, first_job, job_key, tail_fraction
+from .search import choice_jobs, first_replay_jobs, job_key, tail_fraction
 
 DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
 BUDGET_PAIR = ("ipo", "icepop@prime-rl")
@@ -158,7 +158,9 @@ def report_data(
     with engine.use_precision(precision):
         p = engine.current_precision()
         sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
-        cjobs = [first_job(j) for j in choice_jobs([parse_rule(r) for r in names], True)]
+        cjobs = first_replay_jobs(
+            plan, choice_jobs([parse_rule(r) for r in names], True), target_fraction
+        )
         pair_jobs = [engine.single_job(parse_rule(r)) for r in ("ipo@prime-rl", BUDGET_PAIR[1])]
         if p is not None:
             sweep_jobs = engine.with_precision(sweep_jobs, p)

@@ -37,11 +37,13 @@ import polars as pl
 
 from .. import engine, ingest
 from ..engine import readout
-from ..rules import Rule, parse_grid
+from ..fast import bin_scores
+from ..rules import Rule, TokenBatch, parse_grid
 from .tail_counts import TailCounts, suffix_values
 
 REFINE_POINTS = 64
-FIRST_DENSE = {"token": 3, "step": 64}  # ... in a search's first replay (`first_job`)
+FIRST_DENSE = {"token": 3, "step": 64}  # ... in a search's first replay (`first_jobs`)
+NEAR = 4.0  # first_jobs: grid intervals within this factor of the target get FIRST_DENSE
 
 
 def tail_fraction(target: float) -> float:
@@ -67,12 +69,60 @@ def grid_between(a: float, b: float, n: int) -> np.ndarray:
 
 
 def first_job(job: engine.Job) -> engine.Job:
-    """A search's first-replay job: the default grid with FIRST_DENSE points between each
-    two values (token rules: so that a bracket's ends sit close to the target and the
-    replay's tail covers them, tail_counts.py; m2po: it refines in passes of its own);
-    sequence rules refine from the sequence sums for free and keep their grid."""
+    """A search's first-replay job without a sample to shape it: the default grid with
+    FIRST_DENSE points between each two values (token rules: so that a bracket's ends sit
+    close to the target and the replay's tail covers them, tail_counts.py; m2po: it
+    refines in passes of its own); sequence rules refine from the sequence sums for free
+    and keep their grid."""
     m = FIRST_DENSE.get(job.rule.level)
     return job if m is None else engine.Job(job.rule, job.param, dense(job.values, m))
+
+
+def first_jobs(
+    jobs: Sequence[engine.Job], target: float, sample: TokenBatch | None
+) -> list[engine.Job]:
+    """The first-replay jobs of searches for `target`, shaped on `sample` (the tokens the
+    replay's tail sets its cutoffs on, engine.first_sample): a token or step rule's default
+    grid gets FIRST_DENSE points only between the two values of each grid interval where
+    the sample's masked fraction meets [target / NEAR, target x NEAR] (and the interval on
+    each side), where the bracket and the bootstrap's columns will lie: the replay costs
+    about what the default grid costs. The sample only places points; whether the tail
+    covers them is checked on the replay's exact counts, and a search whose bracket lies
+    elsewhere costs a pass (m2po: its refinement passes), with an answer as exact. No
+    sample: `first_job`'s grid."""
+    out = []
+    for job in jobs:
+        m = FIRST_DENSE.get(job.rule.level)
+        if m is None or sample is None or not len(sample) or len(job.values) < 2:
+            out.append(first_job(job))
+            continue
+        f = _sample_fractions(job, sample)
+        lo, hi = np.minimum(f[:-1], f[1:]), np.maximum(f[:-1], f[1:])  # per interval
+        meet = (hi >= target / NEAR) & (lo <= target * NEAR)
+        near = meet.copy()
+        meet[1:] |= near[:-1]
+        meet[:-1] |= near[1:]
+        pieces = [job.values]
+        for i in np.flatnonzero(meet):
+            pieces.append(grid_between(job.values[i], job.values[i + 1], m + 2)[1:-1])
+        out.append(engine.Job(job.rule, job.param, np.unique(np.concatenate(pieces))))
+    return out
+
+
+def _sample_fractions(job: engine.Job, sample: TokenBatch) -> np.ndarray:
+    """The masked fraction of `sample` at each of a token or step rule's values (value
+    order). A step rule (m2po) ranks the sample as one step: the token of rank m is masked
+    when the mean of its score and every lower one reaches the threshold."""
+    with np.errstate(over="ignore", invalid="ignore"):  # absurd logs: inf, as the engine's
+        score = np.asarray(job.rule.score(sample, job.param), dtype=np.float64)
+    if job.rule.level == "step":
+        xs = np.sort(score)[::-1]
+        means = np.cumsum(xs[::-1])[::-1] / np.arange(xs.shape[0], 0, -1)  # non-increasing
+        thr = job.thresholds
+        masked = np.array([np.count_nonzero(means >= t) for t in thr], dtype=np.float64)
+        return masked / len(sample)
+    b = bin_scores(score, job.sorted_thresholds, job.rule.inclusive)
+    return suffix_values(job, np.bincount(b, minlength=len(job.values) + 2)) / len(sample)
 
 
 def choice_jobs(rules: Sequence[Rule], target: bool) -> list[engine.Job]:
@@ -229,12 +279,14 @@ def one_pass(plan, fine, boot, bootstrap, unit, seed, main, progress) -> Pass:
     out = Pass([None] * len(fine), [None] * len(boot), [None] * len(boot))
     tc = TailCounts.of(main)
     if tc is not None:  # what main's tail settles needs no pass (tail_counts.py)
-        for i, j in enumerate(fine):
-            if tc.covers(j):
-                out.hits[i] = tc.hits(j)
-        for i, j in enumerate(boot if B and tc.can_resample(unit) else []):
-            if tc.covers(j):
-                out.reps[i], out.tokens[i] = tc.replicates(j, B, unit, seed)
+        tc.prepare([*fine, *boot], (B, unit, seed) if B else None)
+        cov = [i for i, j in enumerate(fine) if tc.covers(j)]
+        for i, hits in zip(cov, tc.map(tc.hits, [fine[i] for i in cov]), strict=True):
+            out.hits[i] = hits
+        cov = [i for i, j in enumerate(boot if B and tc.can_resample(unit) else []) if tc.covers(j)]
+        reps = tc.map(lambda j: tc.replicates(j, B, unit, seed), [boot[i] for i in cov])
+        for i, (r, tokens) in zip(cov, reps, strict=True):
+            out.reps[i], out.tokens[i] = r, tokens
     tf = [i for i, j in enumerate(fine) if j.rule.level != "sequence" and out.hits[i] is None]
     tb = (
         [i for i, j in enumerate(boot) if j.rule.level == "token" and out.reps[i] is None]
@@ -334,6 +386,28 @@ def refine(plan, searches, target: float, tol: float, rounds: int, main, progres
         for s, job, hits in zip(todo, fine, res.hits, strict=True):
             s.add(job.values, hits)
             s.passes += res.read and job.rule.level != "sequence"
+
+
+def find_job(jobs: Sequence[engine.Job], job: engine.Job) -> int | None:
+    """The index in `jobs` of the one that counts `job`'s rule and parameter on a grid
+    holding every value of job's (of several, the one with the most values: a search's
+    first job), or None."""
+    key, want = job_key(job)[:-1], set(job.values.tolist())
+    best = None
+    for i, j in enumerate(jobs):
+        same = job_key(j)[:-1] == key and want <= set(j.values.tolist())
+        if same and (best is None or len(j.values) > len(jobs[best].values)):
+            best = i
+    return best
+
+
+def first_replay_jobs(plan, jobs: Sequence[engine.Job], target: float) -> list[engine.Job]:
+    """`first_jobs` on the sample the replay's tail will set its cutoffs on (one batch read
+    ahead, engine.first_sample; none where no job is a token rule's)."""
+    sample = None
+    if any(j.rule.level == "token" for j in jobs):
+        sample = engine.first_sample(plan, "advantage" in plan.columns)
+    return first_jobs(jobs, target, sample)
 
 
 def job_key(j: engine.Job) -> tuple:

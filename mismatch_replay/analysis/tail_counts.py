@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import engine
 from ..engine import readout
-from ..fast import bin_scores, replicate_bins
+from ..fast import bin_scores, executor, replicate_bins, threads
 from ..rules import TokenBatch
 
 
@@ -49,6 +49,7 @@ class TailCounts:
         self._scores: dict[tuple, np.ndarray] = {}
         self._cover: dict[tuple, float] = {}
         self._weights: tuple | None = None
+        self._unit_cache: dict[str, tuple] = {}
 
     @classmethod
     def of(cls, main: engine.Tally | None) -> TailCounts | None:
@@ -183,15 +184,43 @@ class TailCounts:
 
     def _units(self, unit: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids of the bootstrap units, each unit's loss tokens, the unit of each kept token
-        as an index into ids): sequences as the replay numbered them, or steps."""
+        as an index into ids): sequences as the replay numbered them, or steps (cached)."""
+        got = self._unit_cache.get(unit)
+        if got is not None:
+            return got
         a = self.tail.arrays()
         if unit == "sequence":
             n = self.main.seq_stats().n
-            return np.arange(n.shape[0], dtype=np.int64), n, a["seq"]
-        steps = sorted(self.tail.step_counts)
-        ids = np.asarray(steps, dtype=np.int64)
-        n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
-        return ids, n, np.searchsorted(ids, a["step"].astype(np.int64))
+            got = np.arange(n.shape[0], dtype=np.int64), n, a["seq"]
+        else:
+            steps = sorted(self.tail.step_counts)
+            ids = np.asarray(steps, dtype=np.int64)
+            n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
+            got = ids, n, np.searchsorted(ids, a["step"].astype(np.int64))
+        self._unit_cache[unit] = got
+        return got
+
+    def prepare(self, jobs, bootstrap: tuple[int, str, int] | None = None) -> None:
+        """Score and check the coverage of every token job's rule and parameter in `jobs`,
+        and draw the bootstrap's weights ((B, unit, seed)), before `map` runs work on them
+        in threads (what the threads then read is in the caches, made once)."""
+        todo: dict[tuple, engine.Job] = {}
+        for j in jobs:
+            if j.rule.level == "token" and _key(j) not in self._cover:
+                todo.setdefault(_key(j), j)
+        for j in todo.values():  # the coordinates' subsets, shared by their rules
+            self._subset(self._coordinate(j))
+        if bootstrap is not None and bootstrap[0] and self.can_resample(bootstrap[1]):
+            self._unit_weights(*bootstrap)
+        self.map(self.cover, list(todo.values()))
+
+    def map(self, fn, items: list) -> list:
+        """[fn(x) for x in items], in the process's worker threads (fast.executor: the
+        kernels and numpy's large operations release the GIL); in order."""
+        n = min(threads(), len(items))
+        if n < 2:
+            return [fn(x) for x in items]
+        return list(executor(n).map(fn, items))
 
     def sequence_weights(self, B: int, seed: int) -> np.ndarray:
         """(B, sequences) Poisson weights of the sequences (Tally.seq_unit_weights' draws

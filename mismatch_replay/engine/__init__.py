@@ -57,7 +57,7 @@ from .stream import (
     prefetch,
     shard_tally,
 )
-from .tail import Tail
+from .tail import Tail, first_sample
 from .tally import GROUP_KEYS, SweepResult, Tally
 
 __all__ = [
@@ -85,6 +85,7 @@ __all__ = [
     "clear_alignment_warnings",
     "columns_needed",
     "current_precision",
+    "first_sample",
     "length_bucket",
     "parse_sweeps",
     "plan_jobs",

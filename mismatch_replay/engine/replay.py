@@ -29,7 +29,6 @@ from ..rules import Rule, spec_warnings
 from . import ray as ray_engine
 from . import stream
 from .jobs import Job, check_jobs, check_precision, current_precision, plan_jobs, with_precision
-from .tail import EXTRA as TAIL_EXTRA
 from .tail import Tail
 from .tally import SweepResult, Tally
 
@@ -157,7 +156,7 @@ def _local_tally(plan, jobs, notes, by, match, bootstrap, robust, tail, precisio
     inv_n = None if pre is None or match is None else 1.0 / pre[1]
     has_seq = "sample_id" in cols
     if tail is not None:  # the kept tokens' own columns (compare's examples name them)
-        cols = [*cols, *(c for c in TAIL_EXTRA if c in available and c not in cols)]
+        cols = [*cols, *(c for c in tail.extra if c in available and c not in cols)]
     tally = Tally(
         jobs,
         by,

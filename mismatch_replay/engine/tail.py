@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from ..ingest import Plan, ReadReport, iter_batches
 from ..rules import TokenBatch
 
 SAMPLE = 1 << 16  # tokens of the first batch the cutoffs are set on
@@ -63,6 +64,32 @@ def coordinate_values(kind: str, clamp: float | None, tb: TokenBatch) -> np.ndar
     raise ValueError(f"unknown coordinate {kind!r}")
 
 
+def sample_of(tb: TokenBatch) -> TokenBatch:
+    """SAMPLE tokens of a batch, evenly spaced (all of a smaller one): what a Tail sets its
+    cutoffs on."""
+    n = len(tb)
+    pick = np.linspace(0, max(n - 1, 0), min(n, SAMPLE)).astype(np.int64)
+    adv = None if tb.advantage is None else tb.advantage[pick]
+    return TokenBatch(tb.lp[pick], tb.lq[pick], adv)
+
+
+def first_sample(plan: Plan, advantage: bool) -> TokenBatch | None:
+    """The sample a replay's Tail will set its cutoffs on (`sample_of` the log's first
+    non-empty batch), read before the replay (one batch: a search shapes its first grids
+    on it, search.first_jobs); None where the log has no loss token."""
+    cols = ["trainer_logprob", "inference_logprob"] + (["advantage"] if advantage else [])
+    batches = iter_batches(plan, cols, ReadReport())
+    try:
+        for _, df in batches:
+            if df.height:
+                adv = df["advantage"].to_numpy() if advantage else None
+                lp, lq = df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
+                return sample_of(TokenBatch(lp, lq, adv))
+    finally:
+        batches.close()
+    return None
+
+
 @dataclass
 class Tail:
     """The kept tokens of one replay (see the module docstring). `fraction`: per side of a
@@ -79,6 +106,8 @@ class Tail:
     parts: list[dict[str, np.ndarray]] = field(default_factory=list)
     step_counts: dict = field(default_factory=dict)  # step -> loss tokens (count_steps)
     count_steps: bool = False
+    extra: tuple[str, ...] = EXTRA  # the log's columns kept with each token (those it has)
+    count_q: bool = True  # count every token's q bucket (q_counts: compare's table)
     # tokens per inference-probability bucket (bins.Q_BUCKET_EDGES), counted by the kernel
     q_counts: np.ndarray | None = None
     # what consumers derive from the kept tokens once per replay (analysis/tail_counts.py)
@@ -90,10 +119,7 @@ class Tail:
         first batch `tb`."""
         self.coords = [(c.kind, c.clamp) for c in coords]
         n = len(tb)
-        pick = np.linspace(0, max(n - 1, 0), min(n, SAMPLE)).astype(np.int64)
-        sub = TokenBatch(
-            tb.lp[pick], tb.lq[pick], None if tb.advantage is None else tb.advantage[pick]
-        )
+        sub = sample_of(tb)
         cut = np.empty((len(self.coords), 2))
         f = min(max(self.fraction, 0.0), 0.5)
         if f == 0.0:  # no quantile: only the fixed sides and single settings' masked tokens
@@ -132,10 +158,9 @@ class Tail:
             part["advantage"] = adv[idx]
         if seq is not None:
             part["seq"] = seq[idx]
-        sel = pl.Series(idx)
-        for c in EXTRA:
+        for c in self.extra:
             if c in df.columns:
-                part[c] = df[c].gather(sel).to_numpy()
+                part[c] = df[c].to_numpy()[idx]
         self.parts.append(part)
         self.kept += idx.shape[0]
         self._joined = None
@@ -168,4 +193,12 @@ class Tail:
         return TokenBatch(a["lp"], a["lq"], a.get("advantage"))
 
 
-__all__ = ["EXTRA", "MAX_TOKENS", "SAMPLE", "Tail", "coordinate_values"]
+__all__ = [
+    "EXTRA",
+    "MAX_TOKENS",
+    "SAMPLE",
+    "Tail",
+    "coordinate_values",
+    "first_sample",
+    "sample_of",
+]

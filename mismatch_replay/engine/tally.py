@@ -204,8 +204,11 @@ class Tally:
             return z[: df.height]
         if self.by == "q_bucket":
             return self._q_bucket_codes(df["inference_logprob"].to_numpy())
-        else:
-            col = df[self.by]
+        col = df[self.by]
+        if col.dtype.is_integer() and col.null_count() == 0:
+            got = self._run_codes(col.to_numpy())
+            if got is not None:
+                return got
         u = col.unique(maintain_order=True).to_list()
         for v in u:
             if v not in self._gidx:
@@ -220,6 +223,24 @@ class Tally:
             .to_numpy()
             .astype(np.int64)
         )
+
+    def _run_codes(self, x: np.ndarray) -> np.ndarray | None:
+        """Group codes of an integer column by its runs (a step column holds a few long
+        ones): groups registered by first appearance, as the general path registers them;
+        None where the runs are short (the general path is faster)."""
+        if x.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        starts = np.r_[0, np.flatnonzero(x[1:] != x[:-1]) + 1]
+        if starts.shape[0] > 64 + x.shape[0] // 64:  # short runs: the general path
+            return None
+        codes = np.empty(starts.shape[0], dtype=np.int64)
+        for k, v in enumerate(x[starts].tolist()):
+            gi = self._gidx.get(v)
+            if gi is None:
+                gi = self._gidx[v] = len(self.groups)
+                self.groups.append(v)
+            codes[k] = gi
+        return np.repeat(codes, np.diff(np.r_[starts, x.shape[0]]))
 
     def _q_bucket_codes(self, lq: np.ndarray) -> np.ndarray:
         """--by q_bucket: each token's group, its q's bucket (bins.q_bucket; on the fused
@@ -357,7 +378,7 @@ class Tally:
             scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
             log_clamp=LOG_CLAMP,
             tail_cut=tail_cut,
-            q_edges=_Q_EDGES if self.tail is not None else None,
+            q_edges=_Q_EDGES if self.tail is not None and self.tail.count_q else None,
             scatter=self.scatter,
             clamped_seq=self.clamped_seq,
         )

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import pmath
 from .program import Program, make_binner, reference_bins
 
 # ----------------------------------------------------------------------------- backend
@@ -146,7 +147,18 @@ def compiled():
                 from . import jit
 
                 _compiled = jit
+                pmath.use_kernel(_vmath_apply)  # pmath's arrays go to vmath: the same bits
     return _compiled
+
+
+def _vmath_apply():
+    """vmath's compiled exp/expm1/log for pmath, or None while the numpy backend is forced
+    (the simple path then runs pmath's numpy code, as a reference must)."""
+    if backend() != "numba":
+        return None
+    from . import vmath
+
+    return vmath.apply
 
 
 _compiled_lock = threading.Lock()

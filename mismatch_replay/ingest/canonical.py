@@ -625,13 +625,39 @@ class DuplicateCheck:
     def add(self, df: pl.DataFrame) -> None:
         if df.height == 0 or not all(k in df.columns for k in self.KEYS):
             return
-        part = df.group_by("step", "sample_id").agg(
-            n=pl.len(), lo=pl.col("position").min(), hi=pl.col("position").max()
-        )
+        part = self._runs(df)
+        if part is None:
+            part = df.group_by("step", "sample_id").agg(
+                n=pl.len(), lo=pl.col("position").min(), hi=pl.col("position").max()
+            )
         self.parts.append(part)
         self.pending += part.height
         if self.pending > (1 << 18) or len(self.parts) > 64:
             self._merge()
+
+    @staticmethod
+    def _runs(df: pl.DataFrame) -> pl.DataFrame | None:
+        """The batch's (step, sample_id, n, lo, hi) per run of rows of one sequence, in
+        numpy (a sequence's rows are usually one run; `_merge` adds up a sequence's runs),
+        or None where a key column is not an integer without nulls, or the runs are short
+        (polars' group_by is then faster)."""
+        cols = [df[k] for k in ("step", "sample_id", "position")]
+        if not all(c.dtype.is_integer() and c.null_count() == 0 for c in cols):
+            return None
+        step, sid, pos = (c.to_numpy() for c in cols)
+        new = np.r_[True, (step[1:] != step[:-1]) | (sid[1:] != sid[:-1])]
+        starts = np.flatnonzero(new)
+        if starts.shape[0] > 64 + df.height // 16:
+            return None
+        return pl.DataFrame(
+            {
+                "step": pl.Series(step[starts], dtype=cols[0].dtype),
+                "sample_id": pl.Series(sid[starts], dtype=cols[1].dtype),
+                "n": pl.Series(np.diff(np.r_[starts, df.height]), dtype=pl.UInt32),
+                "lo": pl.Series(np.minimum.reduceat(pos, starts), dtype=cols[2].dtype),
+                "hi": pl.Series(np.maximum.reduceat(pos, starts), dtype=cols[2].dtype),
+            }
+        )
 
     def _merge(self) -> None:
         if not self.parts:
