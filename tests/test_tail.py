@@ -238,3 +238,74 @@ def test_compare_from_the_tail_is_the_numpy_pass(tmp_path, a, b, budget, from_ta
     assert [(e["masked_by"], e["log_ratio"], e["step"], e["position"]) for e in d["examples"]] == [
         (e["masked_by"], e["log_ratio"], e["step"], e["position"]) for e in r["examples"]
     ]
+
+
+def _same_table(a: pl.DataFrame, b: pl.DataFrame, key) -> None:
+    assert a.columns == b.columns and a.height == b.height
+    a, b = a.sort(key), b.sort(key)
+    for c in a.columns:
+        if a[c].dtype == pl.Float64:
+            np.testing.assert_allclose(
+                a[c].fill_null(np.nan).to_numpy(), b[c].fill_null(np.nan).to_numpy(), rtol=1e-12
+            )
+        else:
+            assert a[c].equals(b[c]), c
+
+
+def test_the_reports_grouped_tables_come_from_the_tail(tmp_path, monkeypatch):
+    """report_data's tables of the chosen settings by q bucket and by step, and of the
+    length settings by sequence length, are those of their own replays (counts exactly,
+    sequences and prompt groups included, mass sums to the last bits; drift's verdicts the
+    same), counted from the shared read's sequences and tail with no Tally holding these
+    settings but the full one (and no second read); where the tail cannot say, replays of
+    their own give the same tables."""
+    from mismatch_replay.analysis.drift import drift
+    from mismatch_replay.analysis.figure_data import default_settings, length_table
+
+    f = tmp_path / "log.parquet"
+    df = random_log(np.random.default_rng(11), steps=5, seqs=30, max_len=50)
+    df.with_columns(group_id=pl.col("sample_id") // 4).write_parquet(f)  # prompt groups
+    plan = ingest.plan_sources([f])
+    chosen = default_settings(plan.columns)
+    want_b = (
+        engine.replay(plan, rules=chosen, by="q_bucket", final=True, scatter=False).result().table
+    )
+    want_s = (
+        engine.replay(plan, rules=chosen, by="step", robust=True, final=True, scatter=False)
+        .result()
+        .table
+    )
+    assert want_s["fully_masked_groups"].null_count() == 0  # the prompt-group counts
+    want_d = drift([f]).to_dict()
+    want_l = length_table(plan)
+    grouped = []  # per replay (alone or in a shared read): its grouping, if it holds jobs
+
+    def note(k):
+        if k.get("jobs") != [] and k.get("by") in ("q_bucket", "step", "length"):
+            grouped.append(k["by"])
+
+    real_replay, real_together = engine.replay, engine.replay_together
+
+    def replay(*a, **k):
+        note(k)
+        return real_replay(*a, **k)
+
+    def together(plan, parts, *a, **k):
+        for p in parts:
+            note(p)
+        return real_together(plan, parts, *a, **k)
+
+    monkeypatch.setattr(engine, "replay", replay)
+    monkeypatch.setattr(engine, "replay_together", together)
+    for fallback in (False, True):
+        if fallback:
+            monkeypatch.setattr(TailCounts, "by_q_bucket", lambda self, rules: None)
+            monkeypatch.setattr(TailCounts, "attach_by_step", lambda self, rules, t: False)
+            monkeypatch.setattr(TailCounts, "by_length", lambda self, rules: None)
+        grouped.clear()
+        data, dec = analysis.report_data([f], bootstrap=20)
+        _same_table(data.buckets, want_b, ["spec", "q_bucket"])
+        _same_table(data.steps, want_s, ["spec", "step"])
+        _same_table(data.by_length, want_l, ["spec", "length"])
+        assert dec.drift.to_dict() == want_d  # counts over tokens, the same metric sums
+        assert sorted(grouped) == (["length", "q_bucket", "step"] if fallback or not FUSED else [])

@@ -3,10 +3,12 @@
 Design
 ------
 `choose` finds, per rule and threshold parameter, the value whose masked fraction is
-closest to a target. ONE replay, as a rule: the default grids made denser (`search.first_job`:
-3 points between two grid values for token rules, 64 for m2po) bracket the answer, and the
-replay keeps its tail (engine.Tail, sized by `search.tail_fraction`): the tokens beyond
-per-coordinate cutoffs. Then, with no pass (`_with_tail`):
+closest to a target. ONE replay, as a rule: the default grids, denser near the target
+(`search.first_jobs`: 3 points between two grid values for token rules, 64 for m2po, in the
+grid intervals where a sample of the log's first batch, read ahead, masks about the target),
+bracket the answer, and the replay keeps its tail (engine.Tail, sized by
+`search.tail_fraction`): the tokens beyond per-coordinate cutoffs. Then, with no pass and
+in the process's worker threads where it helps (`_with_tail`, `TailCounts.map`):
 
 * every open bracket is refined with 2 x REFINE_POINTS = 128 grid points, then rounds of
   REFINE_POINTS, until the fraction is within `tol` (relative) of the target or the bracket
@@ -19,9 +21,10 @@ per-coordinate cutoffs. Then, with no pass (`_with_tail`):
   where the fraction is the target times 1 +- (BOOT_SIGMAS relative standard errors +
   BOOT_MARGIN), so that every replicate's crossing lies inside), from the kept tokens too.
 
-m2po ranks whole steps: it refines on its dense grid, in passes of its own if that is not
-enough, and is not resampled. Where the replay keeps no tail (the simple path, a float32
-replay, the Ray engine, a tail past its memory limit) the same refinement runs in passes and
+m2po ranks whole steps: it refines on its first grid (the sample ranked as one step places
+the dense points), in passes of its own if that is not enough, and is not resampled. Where
+the replay keeps no tail (the simple path, a float32 replay, the Ray engine, a tail past
+its memory limit) the same refinement runs in passes and
 the bootstrap columns span the coarse bracket widened by BOOT_WIDEN grid points each side,
 in the same pass as the first refinement (the exact counts are the same; the intervals,
 read at other columns, agree to a fraction of their width: tests/test_tail.py). `tally=`: a

@@ -6,11 +6,17 @@ Design
 which tokens IPO and IcePop mask at their defaults and at an equal budget, did the run
 drift) by calling `choose`, `compare` (twice) and `drift`. `report_data` answers the same
 and builds the figure data and the inspect summary in two reads of the log. One read feeds
-three Tallies (`engine.replay_together`) and inspect's checks: the full sweep, which also
-holds choose's first grids and the two compared settings and keeps its tail (so choose's
-refinement and bootstrap and both compare tables, the budget pair at the settings choose
-found, are counted from the kept tokens: tail_counts.py); the chosen and watched settings
-per step, robust (drift); the chosen settings per q bucket. The second read is the
+two Tallies (`engine.replay_together`) and inspect's checks. The full sweep also holds
+choose's first grids, the two compared settings and the chosen settings, and keeps its
+tail, so that choose's refinement and bootstrap, both compare tables (the budget pair at
+the settings choose found), the chosen settings' table per q bucket
+(`TailCounts.by_q_bucket`) and per step are counted from the kept tokens (tail_counts.py).
+The other Tally is by step, robust, with no job: its metrics and k3 histograms are drift's,
+and the chosen settings per step are attached to it from the tail
+(`TailCounts.attach_by_step`: the masked-sequence and prompt-group counts too). Where the
+replay keeps no tail (the simple path, a float32 replay) the shared read holds the per-step
+and per-bucket Tallies with their jobs instead, and where a tail cannot say, their own
+replays run: the same tables either way (tests/test_tail.py). The second read is the
 by-length replay of masked_by_length.png, on the few columns of
 `figure_data.LENGTH_SETTINGS`, with each sequence's length from the first read (none where
 the log has no sample_id): a length bucket needs every sequence's length before its first
@@ -25,14 +31,22 @@ from pathlib import Path
 
 import polars as pl
 
-from .. import engine, ingest
+from .. import engine, fast, ingest
+from ..engine import readout
 from ..errors import DataError
 from ..rules import Rule, parse_rule
 from .choose import Choice, ChooseResult, choose
 from .compare import CompareResult, compare, compare_pass, compare_setup
 from .drift import DriftResult, drift, drift_from, drift_rules
-from .figure_data import NO_LENGTH_NOTE, FigureData, default_settings, length_table
+from .figure_data import (
+    NO_LENGTH_NOTE,
+    FigureData,
+    default_settings,
+    length_rules,
+    length_table,
+)
 from .search import choice_jobs, first_replay_jobs, job_key, tail_fraction
+from .tail_counts import TailCounts
 
 DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
 BUDGET_PAIR = ("ipo", "icepop@prime-rl")
@@ -126,6 +140,37 @@ def _budget_pair(rows: Sequence[Choice], names: Sequence[str]) -> tuple[Choice, 
     return out[0], out[1]
 
 
+def _bucket_table(plan, full, by_bucket, chosen, progress) -> pl.DataFrame:
+    """The chosen settings' table by q bucket: the shared read's Tally of it, else from the
+    full replay's tail, else (the tail cannot say) a replay of its own."""
+    if by_bucket:
+        return by_bucket[0].result().table
+    tc = TailCounts.of(full)
+    tally = tc.by_q_bucket(chosen) if tc is not None else None
+    if tally is not None:
+        return readout.sweep_table(tally)
+    by = engine.replay(
+        plan, rules=chosen, by="q_bucket", progress=progress, final=True, scatter=False
+    )
+    return by.result().table
+
+
+def _length_table(plan, full, rules, progress) -> pl.DataFrame | None:
+    """LENGTH_SETTINGS by sequence-length bucket (None without sample_id): from the shared
+    read's sequences and tail (`TailCounts.by_length`), else a replay of its own, each
+    sequence's length from the shared read where it dropped no row (with --drop-invalid,
+    which rows drop depends on the columns read: that replay's pre-pass then)."""
+    if not rules:
+        return None
+    clean = full.has_seq and not full.report.dropped
+    tc = TailCounts.of(full) if clean else None
+    tally = tc.by_length(rules) if tc is not None else None
+    if tally is not None:
+        return readout.sweep_table(tally)
+    lengths = (dict(full.seq_keys), full.seq_stats().n.copy()) if clean else None
+    return length_table(plan, progress, lengths)
+
+
 def report_data(
     sources: Sequence[str | Path],
     settings: Sequence[str | Rule] | None = None,
@@ -137,14 +182,13 @@ def report_data(
     summary: dict | None = None,
 ) -> tuple[FigureData, Decisions]:
     """`figure_data` and `decisions` together, from ONE read of the log for all but the
-    by-length figure (`engine.replay_together`): the full sweep (with choose's first grids
-    and the two compared settings, keeping its tail: choose's refinement and bootstrap and
-    both compare tables come from the kept tokens, tail_counts.py), the chosen settings per
-    step (robust: drift) and per q bucket, and inspect's checks of the same batches (into
-    `summary["summary"]` when a dict is given). The by-length table is its own replay (a
-    pre-pass counts each sequence's tokens first: 2 reads of a few columns; none without
-    sample_id). A tail that does not settle something (the simple path, a float32 replay)
-    costs the pass it replaces."""
+    by-length figure (`engine.replay_together`, the module docstring): the full sweep
+    keeping its tail (choose, both compares and the chosen settings per q bucket and per
+    step are counted from it), a robust Tally by step (drift's metrics), and inspect's
+    checks of the same batches (into `summary["summary"]` when a dict is given). The
+    by-length table is its own replay, with each sequence's length from the first read
+    (none without sample_id). A tail that does not settle something (the simple path, a
+    float32 replay) costs the pass it replaces."""
     from .inspect import Checks, summarize
 
     plan = ingest.plan_sources(sources, options)
@@ -162,13 +206,19 @@ def report_data(
             plan, choice_jobs([parse_rule(r) for r in names], True), target_fraction
         )
         pair_jobs = [engine.single_job(parse_rule(r)) for r in ("ipo@prime-rl", BUDGET_PAIR[1])]
+        # the chosen settings at their values: the tail then keeps their masked tokens,
+        # which give the by-bucket table (TailCounts.by_q_bucket) with no Tally of its own
+        set_jobs = [engine.single_job(r) for r in chosen if r.level == "token"]
+        # ... and the by-length settings (a sequence rule's sums: verl's clamped ones)
+        set_jobs += [engine.single_job(r) for r in length_rules(plan.columns)]
         if p is not None:
             sweep_jobs = engine.with_precision(sweep_jobs, p)
             cjobs = engine.with_precision(cjobs, p)
             pair_jobs = engine.with_precision(pair_jobs, p)
+            set_jobs = engine.with_precision(set_jobs, p)
         have = {job_key(j) for j in sweep_jobs}
         extra = []
-        for j in [*cjobs, *pair_jobs]:
+        for j in [*cjobs, *pair_jobs, *set_jobs]:
             if job_key(j) not in have:
                 have.add(job_key(j))
                 extra.append(j)
@@ -177,12 +227,18 @@ def report_data(
         step_rules = chosen + [r for r in watched if r.spec() not in specs]
         checks = Checks(plan.columns)
         tail = engine.Tail(tail_fraction(target_fraction), count_steps=unit == "step")
-        full, by_step, by_bucket = engine.replay_together(
+        # the by-bucket table and the settings per step from the tail where the replay
+        # will keep one (the fused path); else, or if it then cannot say, Tallies of their own
+        from_tail = p is None and fast.backend() == "numba"
+        bucket_part = {"rules": chosen, "by": "q_bucket", "scatter": False}
+        step_part = {"by": "step", "robust": True, "scatter": False}
+        step_part |= {"jobs": []} if from_tail else {"rules": step_rules}
+        full, by_step, *by_bucket = engine.replay_together(
             plan,
             [
                 {"jobs": sweep_jobs + extra, "tail": tail},
-                {"rules": step_rules, "by": "step", "robust": True, "scatter": False},
-                {"rules": chosen, "by": "q_bucket", "scatter": False},
+                step_part,
+                *([] if from_tail else [bucket_part]),
             ],
             progress=progress,
             final=True,
@@ -203,6 +259,19 @@ def report_data(
             tally=full,
             curve=True,
         )
+        buckets = _bucket_table(plan, full, by_bucket, chosen, progress)
+        if from_tail:  # the settings per step from the tail too, else their own replay
+            tc = TailCounts.of(full)
+            if tc is None or not tc.attach_by_step(step_rules, by_step):
+                by_step = engine.replay(
+                    plan,
+                    rules=step_rules,
+                    by="step",
+                    robust=True,
+                    progress=progress,
+                    final=True,
+                    scatter=False,
+                )
         steps = by_step.result().table
         if len(step_rules) > len(chosen):
             steps = steps.filter(pl.col("spec").is_in(list(specs)))
@@ -218,12 +287,7 @@ def report_data(
             ),
         ]
         at_defaults, at_budget = compare_pass(plan, pairs, 5, progress, full)
-        # each sequence's length from the shared read where it dropped no row (with
-        # --drop-invalid, which rows drop depends on the columns read: the pre-pass then)
-        lengths = None
-        if full.has_seq and not full.report.dropped:
-            lengths = (dict(full.seq_keys), full.seq_stats().n.copy())
-        by_length = length_table(plan, progress, lengths)
+        by_length = _length_table(plan, full, length_rules(plan.columns), progress)
     if summary is not None:
         summary["summary"] = summarize(plan, by_step, full, checks)
     drift_specs = {r.spec() for r in watched}
@@ -246,7 +310,7 @@ def report_data(
         settings=chosen,
         steps=steps,
         step_metrics=by_step.metrics.table("step", by_step.groups),
-        buckets=by_bucket.result().table,
+        buckets=buckets,
         metrics=res.metrics.to_dicts()[0],
         tokens=full.report.loss_rows,
         sources=[str(x) for x in plan.files],

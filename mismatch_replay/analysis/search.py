@@ -20,6 +20,14 @@ replay kept its tail (engine.Tail), the token jobs it covers are counted from th
 tokens instead (tail_counts.py: the same counts and replicates), and a pass is made only
 for what is left, often nothing; `tail_fraction` sizes that tail for a target.
 
+A search's first replay runs `first_jobs`: the default grids, with FIRST_DENSE points
+between two values only in the intervals where a sample of the log's first batch (read
+ahead: `first_replay_jobs`, engine.first_sample) masks within a factor NEAR of the target.
+There the bracket's ends and the bootstrap's columns will lie, and the tail's coverage is
+checked at those values; elsewhere the default grid is enough, so the replay costs what the
+default grids cost. The sample only places points: a log whose later batches mask elsewhere
+costs a pass, not a wrong answer.
+
 `_Units` numbers bootstrap units as the engine does (sequences by first appearance of
 their (step, sample_id), or steps), so the replicates equal the engine's.
 """

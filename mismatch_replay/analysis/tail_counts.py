@@ -29,6 +29,8 @@ import numpy as np
 
 from .. import engine
 from ..engine import readout
+from ..engine.bins import seq_count
+from ..engine.tally import sequence_bins
 from ..fast import bin_scores, executor, replicate_bins, threads
 from ..rules import TokenBatch
 
@@ -241,6 +243,133 @@ class TailCounts:
         units = self._units_of(job, where)[hit]
         rep = replicate_bins(units, b[hit], np.ones(units.shape[0]), wt, len(job.values) + 2)
         return suffix_values(job, rep), tokens
+
+    def _settings(self, rules) -> list[engine.Job] | None:
+        """Each rule at its setting as a one-value job, where every one is a token mask rule
+        this replay held at that value with every masked token kept (`covers`); else None."""
+        jobs = [engine.single_job(r) for r in rules]
+        if not all(j.rule.level == "token" and j.rule.kind == "mask" for j in jobs):
+            return None
+        if not all(self.covers(j) and self._coordinate(j) is not None for j in jobs):
+            return None
+        return jobs
+
+    def _grouped(self, job: engine.Job, group: np.ndarray, n, mass) -> tuple:
+        """A one-value job's bins (G x 3) with each kept token in group `group[i]` (-1:
+        none), the rest of each group from its totals `n` (tokens) and `mass` (|dp|), and
+        its masked tokens' (kept-token indices, bins)."""
+        idx, _ = self._subset(self._coordinate(job))
+        b = self._bins(job)
+        where = idx if idx is not None else np.arange(b.shape[0])
+        hit = b > 0
+        rows, bh = where[hit], b[hit]
+        G, width = n.shape[0], len(job.values) + 2
+        bins = engine.JobBins(count=np.zeros((G, width), dtype=np.int64), mass=np.zeros((G, width)))
+        g = group[rows]
+        np.add.at(bins.count, (g, bh), 1)
+        np.add.at(bins.mass, (g, bh), self.kept_batch().abs_dp[rows])
+        bins.count[:, 0] = np.asarray(n, dtype=np.int64) - bins.count[:, 1:].sum(axis=1)
+        bins.mass[:, 0] = mass - bins.mass[:, 1:].sum(axis=1)
+        return bins, rows, bh
+
+    def by_q_bucket(self, rules) -> engine.Tally | None:
+        """The settings `rules` by inference-probability bucket, as a `--by q_bucket` replay
+        counts them (its table: `readout.sweep_table`), from the kept tokens: each
+        setting's masked tokens and their |dp| per bucket, the rest of each bucket from the
+        kernel's per-bucket totals (`Tail.q_counts`, `q_mass`). None where the tail cannot
+        say (`_settings`), or the replay counted no bucket totals. Counts are the replay's
+        exactly; the mass sums, added in another order, to the last bits."""
+        t = self.tail
+        jobs = self._settings(rules) if t.q_counts is not None and t.q_mass is not None else None
+        if jobs is None:
+            return None
+        edges = np.asarray(engine.Q_BUCKET_EDGES)
+        present = np.flatnonzero(t.q_counts > 0)
+        row = np.full(edges.size, -1, dtype=np.int64)
+        row[present] = np.arange(present.size)
+        group = row[np.searchsorted(edges, self.kept_batch().q, side="right") - 1]
+        n, mass = t.q_counts[present], t.q_mass[present]
+        bins = [self._grouped(j, group, n, mass)[0] for j in jobs]
+        tally = engine.Tally(jobs, "q_bucket", scatter=False)
+        tally.set_bins([float(edges[k]) for k in present], bins)
+        return tally
+
+    def by_length(self, rules) -> engine.Tally | None:
+        """The settings `rules` by sequence-length bucket, as a `--by length` replay counts
+        them (its table: `readout.sweep_table`), from this replay's sequences and kept
+        tokens: each sequence's bucket is that of its loss tokens (the replay's sequence
+        statistics), a sequence rule is scored on those statistics, a token rule's masked
+        tokens are kept ones (`_settings`), the rest of each bucket from its sequences'
+        tokens and |dp|. None where the replay has no sequences, or a rule is neither (or
+        a token rule's masked tokens are not all kept)."""
+        main, a = self.main, self.tail.arrays()
+        if not main.has_seq or "seq" not in a or not len(main.sequences):
+            return None
+        token = [r for r in rules if r.level == "token"]
+        if any(r.level not in ("token", "sequence") for r in rules):
+            return None
+        tjobs = self._settings(token) if token else []
+        if tjobs is None:
+            return None
+        st = main.seq_stats()
+        b = engine.length_bucket(st.n.astype(np.int64))
+        present = np.unique(b)
+        seq_group = np.searchsorted(present, b)
+        G = present.size
+        mass = main.sequences.column("mass")
+        n_g = np.bincount(seq_group, weights=st.n, minlength=G)
+        mass_g = np.bincount(seq_group, weights=mass, minlength=G)
+        group = seq_group[a["seq"]]
+        done = iter(tjobs)
+        jobs, bins = [], []
+        for rule in rules:
+            if rule.level == "sequence":
+                job = engine.single_job(rule)
+                got = sequence_bins(job, st, seq_group, G, mass)
+            else:
+                job = next(done)
+                got, rows, bh = self._grouped(job, group, n_g, mass_g)
+                sb = np.zeros(len(main.sequences))
+                np.maximum.at(sb, a["seq"][rows], bh.astype(float))
+                got.seq_count = seq_count(seq_group, sb, len(job.values) + 2, G)
+                got.seq_bin = sb
+            jobs.append(job)
+            bins.append(got)
+        tally = engine.Tally(jobs, "length", scatter=False)
+        tally.set_bins([1 << int(v) for v in present], bins)
+        return tally
+
+    def attach_by_step(self, rules, by_step: engine.Tally) -> bool:
+        """Add the settings `rules` to `by_step`, a Tally by step of the same read (its
+        metrics and sequences, no jobs of these), counted from the kept tokens as its replay
+        would count them: per step the masked tokens and |dp|, the rest from its metric
+        sums, each sequence's highest bin (the masked-sequence and prompt-group counts).
+        False (nothing added) where the tail cannot say (`_settings`), or the kept tokens
+        carry no step, or `by_step` numbered other sequences."""
+        a = self.tail.arrays()
+        jobs = self._settings(rules)
+        if jobs is None or by_step.by != "step" or "step" not in a:
+            return False
+        if by_step.has_seq and ("seq" not in a or by_step.seq_keys != self.main.seq_keys):
+            return False
+        values = np.asarray(by_step.groups)
+        order = np.argsort(values, kind="stable")
+        pos = np.minimum(np.searchsorted(values[order], a["step"]), max(values.size - 1, 0))
+        if values.size == 0 or (values[order][pos] != a["step"]).any():
+            return False
+        group = order[pos]
+        G = values.size
+        n, mass = by_step.metrics.s["n"][:G], by_step.metrics.s["abs_dp"][:G]
+        bins, seq_bins = [], []
+        for j in jobs:
+            got, rows, bh = self._grouped(j, group, n, mass)
+            bins.append(got)
+            if by_step.has_seq:
+                sb = np.zeros(len(by_step.sequences))
+                np.maximum.at(sb, a["seq"][rows], bh.astype(float))
+                seq_bins.append(sb)
+        by_step.attach(jobs, bins, seq_bins if by_step.has_seq else None)
+        return True
 
     def spread(self, job: engine.Job, unit: str) -> float | None:
         """The bootstrap's relative standard error of the masked fraction at the job's one

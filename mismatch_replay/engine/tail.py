@@ -110,6 +110,7 @@ class Tail:
     count_q: bool = True  # count every token's q bucket (q_counts: compare's table)
     # tokens per inference-probability bucket (bins.Q_BUCKET_EDGES), counted by the kernel
     q_counts: np.ndarray | None = None
+    q_mass: np.ndarray | None = None  # ... and the |dp| of those tokens, summed
     # what consumers derive from the kept tokens once per replay (analysis/tail_counts.py)
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     _joined: dict[str, np.ndarray] | None = None
@@ -165,10 +166,13 @@ class Tail:
         self.kept += idx.shape[0]
         self._joined = None
 
-    def add_q_counts(self, counts: np.ndarray | None) -> None:
-        """Add a batch's tokens per q bucket (None: the kernel counted none)."""
+    def add_q_counts(self, counts: np.ndarray | None, mass: np.ndarray | None = None) -> None:
+        """Add a batch's tokens per q bucket and their |dp| sums (None: the kernel counted
+        none)."""
         if counts is not None:
             self.q_counts = counts.copy() if self.q_counts is None else self.q_counts + counts
+        if mass is not None:
+            self.q_mass = mass.copy() if self.q_mass is None else self.q_mass + mass
 
     def refuse(self, why: str) -> None:
         """Keep nothing (this replay cannot: e.g. it runs on the simple path)."""

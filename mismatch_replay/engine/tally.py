@@ -154,6 +154,7 @@ class Tally:
         self._paths: list[dict] | None = None  # each job's path, once decided
         self._scratch: dict[str, np.ndarray] = {}
         self._prompt_cache: tuple[int, tuple | None] | None = None
+        self._external = False  # set_bins: the bins were counted elsewhere
         self.version = 0  # bumped by every change (m2po's bins and the layout cache on it)
         if any(j.rule.precision == "float32" for j in self.jobs):
             self.precision = "float32"
@@ -385,7 +386,7 @@ class Tally:
         if self.tail is not None:
             idx, bits = out.tail if out.tail is not None else (_NONE, _NONE.astype(np.uint32))
             self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None)
-            self.tail.add_q_counts(out.q_counts)
+            self.tail.add_q_counts(out.q_counts, out.q_mass)
         self.metrics.add_sums(out.msum, out.mmax, G)
         if self.scatter:
             self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
@@ -627,6 +628,34 @@ class Tally:
             fast.threads(),
         )
 
+    def set_bins(self, groups: list, bins: list[JobBins]) -> None:
+        """Make this (unfed) Tally one counted elsewhere: its groups, in order, and its
+        token jobs' bins (groups x K + 2), e.g. from a replay's kept tokens
+        (analysis/tail_counts.py). The readout then reads them as a replay's."""
+        if self.report.rows or self._fused is not None:
+            raise ValueError("set_bins: this Tally was fed batches already")
+        self.groups = list(groups)
+        self._gidx = {v: i for i, v in enumerate(self.groups)}
+        self.bins = list(bins)
+        self._external = True  # every job's bins are these, sequence jobs' too
+        self.version += 1
+
+    def attach(self, jobs, bins: list[JobBins], seq_bins: list[np.ndarray] | None = None) -> None:
+        """Add token jobs counted elsewhere, after this Tally's replay (from a shared read's
+        kept tokens: analysis/tail_counts.py): their bins (this Tally's groups x K + 2) and,
+        with sequences, each sequence's highest bin by this Tally's sequence ids. Their
+        path reads as the kernel's (it saw their tokens)."""
+        paths = self.paths()
+        n = len(self.jobs)
+        self.jobs = [*self.jobs, *jobs]
+        self.bins = [*self.bins, *bins]
+        for k, sb in enumerate(seq_bins or []):
+            acc = self.seq_max[n + k] = Grow(-1.0)
+            acc.ensure(sb.shape[0])
+            acc.a[: sb.shape[0]] = sb
+        self._paths = [*paths, *(_path(j, None) for j in jobs)]
+        self.version += 1
+
     # -- results
     def seq_stats(self) -> SeqStats:
         """The per-sequence statistics sequence rules score."""
@@ -640,7 +669,7 @@ class Tally:
         job = self.jobs[ji]
         G = len(self.groups)
         if job.rule.level == "sequence":
-            return self._sequence_job_bins(job, G)
+            return self.bins[ji] if self._external else self._sequence_job_bins(job, G)
         if job.rule.level == "step":
             return self.m2po_bins()[ji]
         bins = self.bins[ji]
@@ -652,18 +681,9 @@ class Tally:
         return bins
 
     def _sequence_job_bins(self, job: Job, G: int) -> JobBins:
-        st = self.seq_stats()
-        rule = job.rule
-        score = rule.score(st, job.param)
-        b = fast.bin_scores(score, job.sorted_thresholds, rule.inclusive)
-        bins = new_bins(len(job.values), G, rule.kind == "weight")
-        g = self.sequences.group()
-        mass = self.sequences.column("mass")
-        w = rule.weight(st, job.param) if rule.kind == "weight" else None
-        accumulate(bins, b, g, G, mass, w, count=st.n)
-        bins.seq_count = seq_count(g, b, len(job.values) + 2, G)
-        bins.seq_bin = b
-        return bins
+        return sequence_bins(
+            job, self.seq_stats(), self.sequences.group(), G, self.sequences.column("mass")
+        )
 
     def prompt_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(sequence order by prompt group, each group's first position in it, each group's
@@ -698,6 +718,19 @@ class Tally:
             tally=self,
             paths=[dict(p) for p in self.paths()],
         )
+
+
+def sequence_bins(job: Job, st: SeqStats, g: np.ndarray, G: int, mass: np.ndarray) -> JobBins:
+    """A sequence job's bins from per-sequence statistics `st`, each sequence in group
+    g[i] of G, with its |dp| mass: what a Tally's readout reads (`job_bins`)."""
+    rule = job.rule
+    b = fast.bin_scores(rule.score(st, job.param), job.sorted_thresholds, rule.inclusive)
+    bins = new_bins(len(job.values), G, rule.kind == "weight")
+    w = rule.weight(st, job.param) if rule.kind == "weight" else None
+    accumulate(bins, b, g, G, mass, w, count=st.n)
+    bins.seq_count = seq_count(g, b, len(job.values) + 2, G)
+    bins.seq_bin = b
+    return bins
 
 
 def _path(job: Job, why: str | None) -> dict:

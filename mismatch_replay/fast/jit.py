@@ -245,7 +245,8 @@ def coord_pass(
     inside a window, or falls in an interval where tkeep (hwidth,) is set (a fixed side of
     some job masks it there) gets bit c in tbits (the engine keeps it: engine/tail.py).
     With flags[F_QB], qcnt[k] counts the tokens whose q falls in [qedges[k], qedges[k + 1])
-    (np.searchsorted(qedges, q, "right") - 1; qedges[0] = 0).
+    (np.searchsorted(qedges, q, "right") - 1; qedges[0] = 0) and qcnt[K + k] sums their
+    |dp| (K = len(qedges)).
     """
     has_adv = flags[F_ADV] != 0
     has_seq = flags[F_SEQ] != 0
@@ -352,6 +353,7 @@ def coord_pass(
                 while k + 1 < nqe and qv >= qedges[k + 1]:
                     k += 1
                 qcnt[k] += 1.0
+                qcnt[nqe + k] += b_adp[t]
         # ---- classes, metrics, sequences, m2po
         for t in range(nb):
             i = start + t

@@ -277,6 +277,7 @@ class BatchOut:
     # with tail_cut: the tokens beyond a cutoff (indices) and their coordinates' bits
     tail: tuple[np.ndarray, np.ndarray] | None = None
     q_counts: np.ndarray | None = None  # with q_edges: tokens per q bucket
+    q_mass: np.ndarray | None = None  # ... and their |dp| summed
 
 
 def _ro(a, dtype) -> np.ndarray:
@@ -425,7 +426,8 @@ class Fused:
         `tail_cut` ((coordinates, 2) float64, in `coords` order): the tokens whose coordinate
         c is <= tail_cut[c, 0] or >= tail_cut[c, 1], or that a job's fixed side masks
         (`Program.fixed_side`), or inside a window, come back in `BatchOut.tail`. `q_edges`
-        (ascending, from 0): `BatchOut.q_counts` holds the tokens of each q bucket."""
+        (ascending, from 0): `BatchOut.q_counts` holds the tokens of each q bucket, `q_mass`
+        their |dp| sums."""
         j = compiled()
         p = self.p
         n = len(lp)
@@ -449,7 +451,7 @@ class Fused:
         tcut = _ro(tail_cut, np.float64) if tail else _ro(_E2, np.float64)
         qb = q_edges is not None
         qe = _ro(q_edges, np.float64) if qb else _ro(_E1, np.float64)
-        qcnt = np.zeros((nt, (qe.shape[0] if qb else 1) + PAD))
+        qcnt = np.zeros((nt, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, then |dp| sums
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         msum = np.zeros((nt, gm + PAD, N_SUMS))
         mmax = np.full((nt, gm + PAD, N_MAXES), -math.inf)
@@ -598,6 +600,7 @@ class Fused:
             m2po_mass=m2m if m2po else None,
             tail=_tail(tbits) if tail else None,
             q_counts=qcnt[:, : qe.shape[0]].sum(axis=0) if qb else None,
+            q_mass=qcnt[:, qe.shape[0] : 2 * qe.shape[0]].sum(axis=0) if qb else None,
         )
 
     def take(self, groups: int) -> dict[str, np.ndarray]:

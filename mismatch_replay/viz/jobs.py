@@ -6,9 +6,9 @@ Design
 replays), the decisions, the inspect summary, then drawing (`render.render_all`) and page
 assembly (`report.write_report`, with `report.decision_html` as its Decision section).
 `report` takes figure data, decisions and the inspect summary from `analysis.report_data`,
-which reads the log once for all of them but the by-length figure (whose replay and its
-pre-pass read a few columns twice, where the log has sequence ids), writes `sweep.csv`
-beside `index.html`, and drives one progress bar through every pass (`Stages`); `demo`
+which reads the log once for all of them (on the fused path; elsewhere the grouped
+tables take replays of their own), writes `sweep.csv` beside `index.html`, and drives one
+progress bar through every pass (`Stages`); `demo`
 writes that summary as inspect.json. A log without sequence ids gets no masked_by_length
 figure: `plot` warns (`FigureNote`), the report says so in the figure's place. They live
 here rather than in the CLI so that a notebook gets the same result with one call, and the
@@ -104,7 +104,7 @@ def report(
     if precision is not None:
         engine.check_precision(precision)
     _refuse_existing(outdir, [*REPORT_FILES, *[f"{n}.png" for n in FIGURES]], force)
-    # report_data's shared read and the by-length replay (its pre-pass has no progress),
+    # report_data's one read (a replay it makes where a tail cannot say stretches the bar),
     # the float32 check's 2, and drawing the figures
     passes = 2 + (2 if precision == "float32" else 0)
     bar = Stages(progress, passes)
