@@ -257,17 +257,19 @@ def _sample_phases() -> tuple[dict, dict]:
 
 def test_bundled_sample_tells_the_drift_story():
     """Issue 19's targets on the shipped sample (data/README.md's figures): in the healthy
-    (early) phase IPO eps=0.1 masks ~2% and eps=0.3 ~0.25%, IcePop [0.2, 5] under 0.05% in
-    every phase; the late mismatch k3 at least 5x the early one while IcePop stays flat."""
+    (early) phase IPO eps=0.1 masks about 2% (1.8-2.2%) and eps=0.3 about 0.25% (0.21-0.3%),
+    IcePop [0.2, 5] nothing there and under 0.05% in every phase; the late mismatch k3 at
+    least 5x the early one while IcePop stays flat."""
     ph, verdict = _sample_phases()
     assert ph["all"]["tokens"] == 204_800 and ph["early"]["tokens"] == 51_200
     early, late = ph["early"], ph["late"]
     n = early["tokens"]
-    assert 0.015 * n <= early["ipo:eps=0.1"] <= 0.025 * n  # 781 tokens: 1.53%
-    assert 0.0015 * n <= early["ipo:eps=0.3"] <= 0.004 * n  # 90 tokens: 0.176%
+    assert 0.018 * n <= early["ipo:eps=0.1"] <= 0.022 * n  # about 2%: 993 tokens, 1.94%
+    assert 0.0021 * n <= early["ipo:eps=0.3"] <= 0.003 * n  # about 0.25%: 126, 0.246%
     for name in ("early", "late", "all"):  # IcePop [0.2, 5] under 0.05% in every phase
         assert ph[name]["icepop:low=0.2,high=5"] < 5e-4 * ph[name]["tokens"], name
-    assert late["k3"] >= 5 * early["k3"]  # 2.50e-2 vs 4.78e-3: x5.2
-    assert verdict["icepop:low=0.2,high=5"].startswith("flat")  # 0 -> 0.014%: under 0.05 pp
-    assert late["ipo:eps=0.1"] > 2 * early["ipo:eps=0.1"]  # 5,045 vs 781 tokens
+    assert early["icepop:low=0.2,high=5"] == 0
+    assert late["k3"] >= 5 * early["k3"]  # 2.75e-2 vs 4.79e-3: x5.7
+    assert verdict["icepop:low=0.2,high=5"].startswith("flat")  # 0 -> 0.013%: under 0.05 pp
+    assert late["ipo:eps=0.1"] > 2 * early["ipo:eps=0.1"]  # 6,097 vs 993 tokens
     assert verdict["ipo:eps=0.1"] == "rose with the mismatch"

@@ -50,6 +50,7 @@ from .tail_counts import TailCounts
 
 DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
 BUDGET_PAIR = ("ipo", "icepop@prime-rl")
+BY_STEP = {"by": "step", "robust": True, "scatter": False}  # the report's per-step Tally
 
 
 @dataclass
@@ -231,8 +232,7 @@ def report_data(
         # will keep one (the fused path); else, or if it then cannot say, Tallies of their own
         from_tail = p is None and fast.backend() == "numba"
         bucket_part = {"rules": chosen, "by": "q_bucket", "scatter": False}
-        step_part = {"by": "step", "robust": True, "scatter": False}
-        step_part |= {"jobs": []} if from_tail else {"rules": step_rules}
+        step_part = BY_STEP | ({"jobs": []} if from_tail else {"rules": step_rules})
         full, by_step, *by_bucket = engine.replay_together(
             plan,
             [
@@ -264,13 +264,7 @@ def report_data(
             tc = TailCounts.of(full)
             if tc is None or not tc.attach_by_step(step_rules, by_step):
                 by_step = engine.replay(
-                    plan,
-                    rules=step_rules,
-                    by="step",
-                    robust=True,
-                    progress=progress,
-                    final=True,
-                    scatter=False,
+                    plan, rules=step_rules, progress=progress, final=True, **BY_STEP
                 )
         steps = by_step.result().table
         if len(step_rules) > len(chosen):

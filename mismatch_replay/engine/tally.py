@@ -19,6 +19,12 @@ then reports the sequences it touches). Its parts, each with one owner:
   `tail` (tail.py, fused path only), the tokens beyond per-coordinate cutoffs, kept for
   exact counts at thresholds chosen after the pass.
 
+Bins counted elsewhere come in two ways, both from a replay's kept tokens
+(analysis/tail_counts.py): `set_bins` makes an unfed Tally one with those groups and bins
+(the report's per-bucket and by-length tables), `attach` adds token jobs to a replayed one
+(its per-step settings, on its sequences and metrics). The readout reads them as it reads
+a replay's.
+
 Two paths fill the token bins. The *fused* one (fast/: numba) bins each token's
 coordinates once for every token job the program derives from the rules' score(), with the
 metrics, the scatter and the sequence sums, in one loop over the batch split over the
