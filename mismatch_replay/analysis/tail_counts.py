@@ -45,11 +45,14 @@ class TailCounts:
     module docstring). `main`: the Tally the tail was filled by."""
 
     def __init__(self, main: engine.Tally):
+        main.flush()  # its accumulators into its bins now, not in two threads at once later
         self.main = main
         self.tail = main.tail
         self._sub: dict[int | None, tuple[np.ndarray | None, TokenBatch]] = {}
         self._scores: dict[tuple, np.ndarray] = {}
         self._cover: dict[tuple, float] = {}
+        self._live: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_view`
+        self._exact: dict[tuple, list] = {}  # `_evaluated`, per rule and parameter
         self._weights: tuple | None = None
         self._unit_cache: dict[str, tuple] = {}
 
@@ -106,16 +109,31 @@ class TailCounts:
             self._scores[k] = s
         return s
 
-    def _units_of(self, job: engine.Job, where: np.ndarray) -> np.ndarray:
+    def _view(self, job: engine.Job) -> tuple[np.ndarray, np.ndarray]:
+        """(kept-token indices, their scores) of the tokens the job's counts read: its
+        coordinate's kept tokens, or, where every value of the job is at least as strict as
+        the covered threshold, only those masked there (`live`: the others are masked at
+        none of its values). Cached per rule and parameter."""
+        k = _key(job)
         idx, _ = self._subset(self._coordinate(job))
-        return where if idx is None else where[idx]
+        s = self.score(job)
+        c = self._cover.get(k)
+        if c is None or not np.isfinite(c) or len(job.values) == 0 or job.thresholds.min() < c:
+            return (np.arange(s.shape[0]) if idx is None else idx), s
+        got = self._live.get(k)
+        if got is None:
+            live = np.flatnonzero(s >= c if job.rule.inclusive else s > c)
+            got = self._live[k] = ((live if idx is None else idx[live]), s[live])
+        return got
 
-    def _bins(self, job: engine.Job) -> np.ndarray:
-        return bin_scores(self.score(job), job.sorted_thresholds, job.rule.inclusive)
+    def _bins(self, job: engine.Job) -> tuple[np.ndarray, np.ndarray]:
+        """(kept-token indices, each one's bin on the job's sorted thresholds)."""
+        rows, s = self._view(job)
+        return rows, bin_scores(s, job.sorted_thresholds, job.rule.inclusive)
 
     def _counts(self, job: engine.Job) -> np.ndarray:
         """Kept tokens masked at each of the job's values (values' order)."""
-        b = self._bins(job)
+        _, b = self._bins(job)
         width = len(job.values) + 2
         return suffix_values(job, np.bincount(b, minlength=width))
 
@@ -128,13 +146,9 @@ class TailCounts:
         if got is not None:
             return got
         got = np.inf
-        # every grid the replay evaluated for this rule and parameter (the sweep's and a
-        # search's first grid may both be there), strictest value first
-        found = [
-            (mj, readout.job_counts(self.main, ji))
-            for ji, mj in enumerate(self.main.jobs)
-            if mj.rule.level == "token" and _key(mj) == k
-        ]
+        found = self._exact.get(k)
+        if found is None:
+            found = self._exact[k] = self._evaluated(k)
         if found:
             mj = found[0][0]
             values = np.concatenate([c[0] for _, c in found])
@@ -148,6 +162,16 @@ class TailCounts:
         self._cover[k] = got
         return got
 
+    def _evaluated(self, k: tuple) -> list:
+        """Every grid the replay evaluated for this rule and parameter (the sweep's and a
+        search's first grid may both be there), with its exact counts: [(job, counts)].
+        Reading them flushes the Tally: `prepare` does it for all keys before threads run."""
+        return [
+            (mj, readout.job_counts(self.main, ji))
+            for ji, mj in enumerate(self.main.jobs)
+            if mj.rule.level == "token" and _key(mj) == k
+        ]
+
     def covers(self, job: engine.Job) -> bool:
         """Are all of the job's values at least as strict as the covered threshold?"""
         if job.rule.level != "token" or len(job.values) == 0:
@@ -157,12 +181,9 @@ class TailCounts:
     def masked(self, job: engine.Job) -> np.ndarray:
         """Which kept tokens (all of them, in input order) the rule masks at the job's one
         value (every masked token of the log where `covers(job)`)."""
-        idx, _ = self._subset(self._coordinate(job))
-        hit = self._bins(job) > 0
-        if idx is None:
-            return hit
+        rows, b = self._bins(job)
         out = np.zeros(self.tail.kept, dtype=bool)
-        out[idx[hit]] = True
+        out[rows[b > 0]] = True
         return out
 
     def kept_batch(self) -> TokenBatch:
@@ -210,8 +231,10 @@ class TailCounts:
         for j in jobs:
             if j.rule.level == "token" and _key(j) not in self._cover:
                 todo.setdefault(_key(j), j)
-        for j in todo.values():  # the coordinates' subsets, shared by their rules
-            self._subset(self._coordinate(j))
+        for k, j in todo.items():  # what threads must not make at once: the Tally's
+            self._subset(self._coordinate(j))  # flush (its exact counts), the subsets
+            if k not in self._exact:
+                self._exact[k] = self._evaluated(k)
         if bootstrap is not None and bootstrap[0] and self.can_resample(bootstrap[1]):
             self._unit_weights(*bootstrap)
         self.map(self.cover, list(todo.values()))
@@ -238,9 +261,9 @@ class TailCounts:
     def replicates(self, job: engine.Job, B: int, unit: str, seed: int):
         """((B, K) replicate masked tokens at the job's values, (B,) replicate tokens)."""
         _, wt, tokens, where = self._unit_weights(B, unit, seed)
-        b = self._bins(job)
+        rows, b = self._bins(job)
         hit = b > 0
-        units = self._units_of(job, where)[hit]
+        units = where[rows[hit]]
         rep = replicate_bins(units, b[hit], np.ones(units.shape[0]), wt, len(job.values) + 2)
         return suffix_values(job, rep), tokens
 
@@ -258,11 +281,9 @@ class TailCounts:
         """A one-value job's bins (G x 3) with each kept token in group `group[i]` (-1:
         none), the rest of each group from its totals `n` (tokens) and `mass` (|dp|), and
         its masked tokens' (kept-token indices, bins)."""
-        idx, _ = self._subset(self._coordinate(job))
-        b = self._bins(job)
-        where = idx if idx is not None else np.arange(b.shape[0])
+        rows, b = self._bins(job)
         hit = b > 0
-        rows, bh = where[hit], b[hit]
+        rows, bh = rows[hit], b[hit]
         G, width = n.shape[0], len(job.values) + 2
         bins = engine.JobBins(count=np.zeros((G, width), dtype=np.int64), mass=np.zeros((G, width)))
         g = group[rows]
@@ -376,8 +397,8 @@ class TailCounts:
         value (units resampled with Poisson(1) weights, the ratio estimator's delta
         method); None where nothing is masked."""
         _, n, where = self._units(unit)
-        hit = self._bins(job) > 0
-        c = np.bincount(self._units_of(job, where)[hit], minlength=n.shape[0]).astype(float)
+        rows, b = self._bins(job)
+        c = np.bincount(where[rows[b > 0]], minlength=n.shape[0]).astype(float)
         total = c.sum()
         if total == 0:
             return None
