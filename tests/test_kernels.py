@@ -1000,6 +1000,32 @@ def test_poisson_weights_kernel_is_numpys(seed, replicates, boot_seed):
     assert np.array_equal(bins.poisson_weights(units, replicates, boot_seed), want)
     wt = bins.poisson_weights(units, replicates, boot_seed, transposed=True)
     assert np.array_equal(wt, want.T)
+    small = bins.poisson_weights(units, replicates, boot_seed, transposed=True, dtype=np.uint8)
+    assert small.dtype == np.uint8 and np.array_equal(small, want.T)  # the same weights
+
+
+@pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")
+def test_poisson_weights_pass_the_first_eight_cdf_entries_as_numpy_does():
+    """The kernel counts the first 8 inverse-CDF entries without a branch, then searches:
+    weights of 8 and more (once in ~10^6 draws) are numpy's too."""
+    from mismatch_replay.engine import bins
+
+    units = np.arange(20_000)
+    want = bins.poisson_weights_numpy(units, 200, 5)
+    assert want.max() >= 8  # the search past the branchless part ran
+    assert np.array_equal(bins.poisson_weights(units, 200, 5), want)
+
+
+@pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")
+def test_replicate_tokens_with_uint8_weights_are_exact():
+    """Replicate token totals from uint8 weights: the float64 product, exactly."""
+    from mismatch_replay.analysis.tail_counts import replicate_tokens
+
+    rng = np.random.default_rng(4)
+    n = rng.integers(1, 4000, 3000).astype(np.float64)
+    w = rng.poisson(1.0, (3000, 64))
+    got = replicate_tokens(n, w.astype(np.uint8))
+    assert np.array_equal(got, n @ w.astype(np.float64))
 
 
 @pytest.mark.skipif(fast.backend() != "numba", reason="the kernels need numba")

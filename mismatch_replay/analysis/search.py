@@ -47,7 +47,7 @@ from .. import engine, ingest
 from ..engine import readout
 from ..fast import bin_scores
 from ..rules import Rule, TokenBatch, parse_grid
-from .tail_counts import TailCounts, suffix_values
+from .tail_counts import TailCounts, replicate_tokens, suffix_values
 
 REFINE_POINTS = 64
 FIRST_DENSE = {"token": 3, "step": 64}  # ... in a search's first replay (`first_jobs`)
@@ -372,7 +372,7 @@ def one_pass(plan, fine, boot, bootstrap, unit, seed, main, progress) -> Pass:
                 main.boot_replicates = 0
         for i in sb:
             out.reps[i] = seq_hits(st, boot[i], w)
-            out.tokens[i] = w @ st.n
+            out.tokens[i] = replicate_tokens(st.n, w.T)
     return out
 
 

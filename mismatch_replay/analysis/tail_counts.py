@@ -200,8 +200,8 @@ class TailCounts:
         if self._weights is not None and self._weights[0] == (B, unit, seed):
             return self._weights[1]
         ids, n, where = self._units(unit)
-        wt = engine.poisson_weights(ids, B, seed, transposed=True)
-        got = (ids, wt, n @ wt, where)
+        wt = engine.poisson_weights(ids, B, seed, transposed=True, dtype=np.uint8)
+        got = (ids, wt, replicate_tokens(n, wt), where)
         self._weights = ((B, unit, seed), got)
         return got
 
@@ -407,6 +407,14 @@ class TailCounts:
         return float(np.sqrt(max(var, 0.0)) / total)
 
 
+def replicate_tokens(n: np.ndarray, wt: np.ndarray) -> np.ndarray:
+    """(B,) per replicate, the sum over units of the unit's tokens `n` times its weight
+    (wt: (units, B), uint8 or float64): integers, exact in any order, with no float64 copy
+    of the weights."""
+    units = np.arange(n.shape[0], dtype=np.int64)
+    return replicate_bins(units, np.zeros(n.shape[0], dtype=np.int64), n, wt, 1)[:, 0]
+
+
 def suffix_values(job: engine.Job, a: np.ndarray) -> np.ndarray:
     """Per-bin counts (..., K + 2) in threshold order -> masked at each value (..., K), in
     the job's value order (bin j holds the tokens that pass exactly j thresholds)."""
@@ -416,4 +424,4 @@ def suffix_values(job: engine.Job, a: np.ndarray) -> np.ndarray:
     return rev[..., inv + 1]
 
 
-__all__ = ["TailCounts", "suffix_values"]
+__all__ = ["TailCounts", "replicate_tokens", "suffix_values"]

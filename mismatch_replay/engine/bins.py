@@ -199,10 +199,12 @@ _POISSON1_ICDF = np.array([math.ceil(c * 2.0**53) for c in _POISSON1_CDF], dtype
 
 
 def poisson_weights(
-    units: np.ndarray, replicates: int, seed: int, transposed: bool = False
+    units: np.ndarray, replicates: int, seed: int, transposed: bool = False, dtype=np.float64
 ) -> np.ndarray:
     """Poisson(1) bootstrap weights, shape (replicates, units), a pure function of the unit id
-    (`transposed`: (units, replicates)).
+    (`transposed`: (units, replicates)); `dtype` uint8 holds them in an eighth of the memory
+    (a weight is at most ~15; first touching 100k units x 200 float64 weights cost more than
+    drawing them).
 
     A counter-based hash (splitmix64 of unit id, replicate and seed) makes each unit's weight
     the same in every batch and file it appears in, so the bootstrap streams: the weighted
@@ -212,7 +214,7 @@ def poisson_weights(
     """
     j = fast.compiled()
     if j is not None and units.size * replicates >= 1 << 16:
-        out = np.empty((units.shape[0], replicates), dtype=np.float64)
+        out = np.empty((units.shape[0], replicates), dtype=dtype)
         ids = units.astype(np.int64)
         cuts = np.linspace(0, ids.shape[0], fast.threads() + 1).astype(np.int64)
 
@@ -222,7 +224,7 @@ def poisson_weights(
 
         list(fast.executor(len(cuts) - 1).map(part, range(len(cuts) - 1)))
         return out if transposed else out.T
-    w = poisson_weights_numpy(units, replicates, seed)
+    w = poisson_weights_numpy(units, replicates, seed).astype(dtype)
     return np.ascontiguousarray(w.T) if transposed else w
 
 

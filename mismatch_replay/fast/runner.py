@@ -235,7 +235,8 @@ def bin_scores(score: np.ndarray, thr_sorted: np.ndarray, inclusive: bool) -> np
 
 def replicate_bins(unit, bins, mult, wt: np.ndarray, width: int) -> np.ndarray:
     """(B, width) per-replicate sums: entry i adds mult[i] * wt[unit[i], r] to bin bins[i] of
-    replicate r (wt: (units, B) bootstrap weights). Weights and multiplicities are integers,
+    replicate r (wt: (units, B) bootstrap weights, float64 or uint8). Weights and
+    multiplicities are integers,
     so the sums are exact in any order: the kernel (`jit.add_replicates`) and numpy agree."""
     unit = np.ascontiguousarray(unit, dtype=np.int64)
     bins = np.ascontiguousarray(bins, dtype=np.int64)
@@ -245,8 +246,11 @@ def replicate_bins(unit, bins, mult, wt: np.ndarray, width: int) -> np.ndarray:
         out = np.zeros((width, wt.shape[1]))
         np.add.at(out, bins, mult[:, None] * wt[unit])
         return out.T
+    wt = np.ascontiguousarray(wt)
+    if wt.dtype not in (np.uint8, np.float64):
+        wt = wt.astype(np.float64)
     out = np.zeros((width, wt.shape[1]))
-    j.add_replicates(unit, bins, mult, np.ascontiguousarray(wt, dtype=np.float64), out)
+    j.add_replicates(unit, bins, mult, wt, out)
     return out.T
 
 
