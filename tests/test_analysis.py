@@ -321,16 +321,16 @@ def test_one_pass_bootstrap_equals_the_engines_replicates(tmp_path, unit):
 def test_choose_reads_the_log_once(tmp_path, reads):
     """One replay of the default grids that keeps its tail: refinement and bootstrap come
     from the kept tokens (tail_counts.py), so no second read (on the fused path; the simple
-    path keeps no tail: the grids, then one pass for refinement and bootstrap). Before it,
-    the first batch is read on its own: the sample that places the grids' extra points
-    (search.first_jobs)."""
+    path keeps no tail: the grids, then one pass for refinement and bootstrap). The grids'
+    extra points are placed on the first batch as it comes (engine.replay(shape=)): no
+    read ahead."""
 
     f = random_log(tmp_path / "log.parquet", 1)
     rows = analysis.choose([f], 0.02, ["ipo", "icepop@prime-rl", "seq-mis"], bootstrap=50)
     from mismatch_replay import fast
 
     n = 1 if fast.backend() == "numba" else 2
-    assert len(reads) == n and reads.partial == 1
+    assert len(reads) == n and reads.partial == 0
     assert all(r.passes == n for r in rows)
     assert all(r.ci_low is not None for r in rows if r.status == "ok")
 

@@ -85,6 +85,28 @@ def test_the_samples_fraction_is_the_replays_on_a_one_batch_log(tmp_path, spec):
     np.testing.assert_allclose(got, _brute_fraction(job, sample), rtol=0, atol=1e-15)
 
 
+def test_a_replay_shapes_its_jobs_on_the_first_batch_as_a_read_ahead_would(tmp_path):
+    """replay(shape=): the jobs counted are first_jobs on the first batch's sample, the one
+    engine.first_sample reads ahead; their counts are those of a replay of those jobs."""
+    df = random_log(np.random.default_rng(5), steps=3, seqs=40, max_len=60)
+    f = tmp_path / "log.parquet"
+    df.write_parquet(f)
+    plan = ingest.plan_sources([f])
+    jobs = _jobs(SPECS)
+    shaped = engine.replay(
+        plan, jobs=jobs, final=True, shape=lambda s: search.first_jobs(jobs, 0.01, s)
+    )
+    ahead = search.first_jobs(jobs, 0.01, engine.first_sample(plan, True))
+    plain = engine.replay(plan, jobs=ahead, final=True)
+    for ji, (a, b) in enumerate(zip(shaped.jobs, ahead, strict=True)):
+        assert np.array_equal(a.values, b.values), a.label
+        assert len(a.values) > len(jobs[ji].values) or a.rule.level == "sequence"
+        got, want = readout.job_counts(shaped, ji), readout.job_counts(plain, ji)
+        assert np.array_equal(got[1], want[1]) and got[2] == want[2], a.label
+    with pytest.raises(ValueError, match="same rules"):  # a shape must keep the rules
+        engine.replay(plan, jobs=jobs, final=True, shape=lambda s: jobs[:1])
+
+
 def test_without_a_sample_the_first_grid_is_dense_everywhere():
     jobs = _jobs(["ipo", "m2po"])
     for job, fj in zip(jobs, search.first_jobs(jobs, 0.01, None), strict=True):

@@ -5,7 +5,8 @@ Design
 `choose` finds, per rule and threshold parameter, the value whose masked fraction is
 closest to a target. ONE replay, as a rule: the default grids, denser near the target
 (`search.first_jobs`: 3 points between two grid values for token rules, 64 for m2po, in the
-grid intervals where a sample of the log's first batch, read ahead, masks about the target),
+grid intervals where a sample of the log's first batch masks about the target: the replay
+places them when that batch comes, `engine.replay(shape=)`),
 bracket the answer, and the replay keeps its tail (engine.Tail, sized by
 `search.tail_fraction`): the tokens beyond per-coordinate cutoffs. Then, with no pass and
 in the process's worker threads where it helps (`_with_tail`, `TailCounts.map`):
@@ -58,7 +59,7 @@ from .search import (
     Search,
     choice_jobs,
     find_job,
-    first_replay_jobs,
+    first_jobs,
     grid_between,
     one_pass,
     refine,
@@ -216,7 +217,6 @@ def choose(
     # 1. the default grids, denser near the target (search.first_jobs), keeping the tail
     # that settles the token rules' refinement and bootstrap with no second pass
     if tally is None:
-        first = first_replay_jobs(plan, jobs, target)
         tail = engine.Tail(
             tail_fraction(target),
             count_steps=unit == "step",
@@ -224,7 +224,13 @@ def choose(
             count_q=False,
         )
         tally = engine.replay(
-            plan, jobs=first, progress=progress, final=True, tail=tail, scatter=False
+            plan,
+            jobs=jobs,
+            progress=progress,
+            final=True,
+            tail=tail,
+            scatter=False,
+            shape=lambda sample: first_jobs(jobs, target, sample),  # on the first batch
         )
         index = list(range(len(jobs)))
     else:  # the caller's replay (its first jobs, or the default grids): find each job

@@ -54,6 +54,7 @@ def replay(
     tail: Tail | None = None,
     seq_lengths: tuple[dict, np.ndarray] | None = None,
     scatter: bool = True,
+    shape: Callable | None = None,
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
 
@@ -83,6 +84,8 @@ def replay(
     same rows counted them (Tally.seq_keys, seq_stats().n), instead of the pre-pass.
     `jobs` replaces rules and sweeps with ready-made jobs. `tail` (tail.py) is filled with
     the tokens beyond its per-coordinate cutoffs (fused path only; else it says why not).
+    `shape` (Tally.shape; local engine): given the first batch's sample, the jobs to count
+    instead of `jobs` (a search's first grids, placed with no read ahead).
 
     `engine="ray"` computes the same Tally per file on a Ray cluster (ray.py;
     `ray_address` attaches to a running one, else `ray.init()` decides) and adds them up.
@@ -100,6 +103,8 @@ def replay(
         jobs = with_precision(jobs, check_precision(precision))
     precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
     if engine == "ray":
+        if shape is not None:
+            raise ValueError("replay(shape=...) runs on the local engine")
         if match is not None or bootstrap is not None or robust or by == "length":
             raise UsageError(
                 "--engine ray computes sweeps, metrics and scatters; --match, --by length, "
@@ -116,6 +121,7 @@ def replay(
         plan, jobs, notes, by, match, bootstrap, robust, tail, precision, seq_lengths
     )
     tally.scatter = scatter
+    tally.shape = shape
     (dropped_zero,) = _stream(plan, [(tally, cols, keep)], progress, final, ())
     if match is not None:
         tally.notes.append(

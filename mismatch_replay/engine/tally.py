@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +77,7 @@ from .m2po import M2POStore, M2POTally
 from .readout import sweep_table
 from .robust import add_robust
 from .sequences import SUMS, Sequences, partials
-from .tail import Tail
+from .tail import Tail, sample_of
 
 GROUP_KEYS = ("step", "env", "q_bucket", "length")
 _NONE = np.zeros(0, dtype=np.int64)
@@ -143,6 +144,10 @@ class Tally:
     # the arithmetic of the rule decisions ("float32": as the frameworks run them on the
     # GPU; the simple path, see replay()); metrics and the scatter stay float64
     precision: str = "float64"
+    # called once, on the first batch's sample (tail.sample_of), before any token is
+    # counted: returns the jobs to count instead (the same rules and parameters, in order;
+    # a search's first grids shaped on the log: analysis/search.py)
+    shape: Callable | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.bins:
@@ -338,6 +343,8 @@ class Tally:
         lp = df["trainer_logprob"].to_numpy()
         lq = df["inference_logprob"].to_numpy()
         adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
+        if self.shape is not None and df.height:
+            self._reshape(self.shape(sample_of(TokenBatch(lp, lq, adv))))
         has_m2po = bool(self.m2po_part.jobs)
         fused = self._fused_state()
         if self._paths is None:
@@ -633,6 +640,26 @@ class Tally:
             self.sequences.group() if self.has_seq else None,
             fast.threads(),
         )
+
+    def _reshape(self, jobs) -> None:
+        """Count `jobs` instead of this Tally's jobs (`shape`: before the first token)."""
+        self.shape = None
+        jobs = list(jobs)
+        same = [(j.rule.spec(), j.param) for j in jobs] == [
+            (j.rule.spec(), j.param) for j in self.jobs
+        ]
+        fed = self._fused is not None or bool(self.groups) or len(self.sequences) > 0
+        if not same or fed:
+            raise ValueError("shape: the same rules and parameters, before any token")
+        self.jobs = jobs
+        self.bins = [
+            None
+            if j.rule.level != "token"
+            else new_bins(len(j.values), 0, j.rule.kind == "weight", self.inv_n is not None)
+            for j in jobs
+        ]
+        self.m2po_part = M2POTally(self.jobs)
+        self._paths = None
 
     def set_bins(self, groups: list, bins: list[JobBins]) -> None:
         """Make this (unfed) Tally one counted elsewhere: its groups, in order, and its
