@@ -21,8 +21,10 @@ tokens instead (tail_counts.py: the same counts and replicates), and a pass is m
 for what is left, often nothing; `tail_fraction` sizes that tail for a target.
 
 A search's first replay runs `first_jobs`: the default grids, with FIRST_DENSE points
-between two values only in the intervals where a sample of the log's first batch (read
-ahead: `first_replay_jobs`, engine.first_sample) masks within a factor NEAR of the target.
+between two values only in the intervals where a sample of the log's first batch masks
+within a factor NEAR of the target: choose and compare place them when the replay's first
+batch comes (`engine.replay(shape=)`), the report, whose shared read holds other jobs too,
+on that batch read ahead (`first_replay_jobs`, engine.first_sample).
 There the bracket's ends and the bootstrap's columns will lie, and the tail's coverage is
 checked at those values; elsewhere the default grid is enough, so the replay costs what the
 default grids cost. The sample only places points: a log whose later batches mask elsewhere
