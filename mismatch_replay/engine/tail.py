@@ -28,9 +28,11 @@ replay's at a grid value, every masked token there is kept, and so at every stri
 (a token rule's masked set shrinks as its threshold rises). A job the tail does not cover
 where a consumer needs it falls back to a pass over the log: the same counts either way.
 
-Memory: 68 bytes a kept token (log-probs, advantage, bits, row, sequence id, step, sample
-id, position): in `choose` with a 0.25% target on the benchmark log, 4.4% of the tokens,
-57 MiB at 20M tokens and 144 MiB at 50M. `limit` (MAX_TOKENS, 16M tokens, ~1.1 GB) stops
+Memory: 44 bytes a kept token (log-probs, advantage, bits, row, sequence id), 68 with the
+`extra` columns compare's examples name (step, sample id, position; `choose` keeps step
+only for a bootstrap over steps, and counts no q buckets: `count_q`): in `choose` with a
+0.25% target on the benchmark log, 4.4% of the tokens, 37 MiB at 20M tokens and 93 MiB at
+50M. `limit` (MAX_TOKENS, 16M tokens, ~1.1 GB) stops
 keeping beyond it (`off` says why, the kept ones are dropped, and consumers make their
 passes instead).
 """
