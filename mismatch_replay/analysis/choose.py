@@ -59,7 +59,7 @@ from .search import (
     Search,
     choice_jobs,
     find_job,
-    first_jobs,
+    first_replay,
     grid_between,
     one_pass,
     refine,
@@ -223,15 +223,7 @@ def choose(
             extra=("step",) if unit == "step" else (),  # the bootstrap's units: no more
             count_q=False,
         )
-        tally = engine.replay(
-            plan,
-            jobs=jobs,
-            progress=progress,
-            final=True,
-            tail=tail,
-            scatter=False,
-            shape=lambda sample: first_jobs(jobs, target, sample),  # on the first batch
-        )
+        tally = first_replay(plan, jobs, target, tail, progress)
         index = list(range(len(jobs)))
     else:  # the caller's replay (its first jobs, or the default grids): find each job
         index = [find_job(tally.jobs, j) for j in jobs]

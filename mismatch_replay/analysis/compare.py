@@ -39,7 +39,7 @@ from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..rules import Rule, TokenBatch, parse_grid, parse_rule
-from .search import Search, first_jobs, refine, tail_fraction
+from .search import Search, first_replay, refine, tail_fraction
 from .tail_counts import TailCounts
 
 CELLS = ("both", "only_a", "only_b", "neither")
@@ -169,15 +169,7 @@ def _budget_rules(
         param = rule.primary_param()
         jobs.append(engine.Job(rule, param, parse_grid(rule.param(param).grid)))
     tail = engine.Tail(tail_fraction(budget))  # refinement and the table from its tokens
-    tally = engine.replay(
-        plan,
-        jobs=jobs,
-        progress=progress,
-        final=True,
-        tail=tail,
-        scatter=False,
-        shape=lambda sample: first_jobs(jobs, budget, sample),  # on the first batch
-    )
+    tally = first_replay(plan, jobs, budget, tail, progress)
     jobs = tally.jobs
     searches = []
     for ji, job in enumerate(jobs):

@@ -411,6 +411,20 @@ def find_job(jobs: Sequence[engine.Job], job: engine.Job) -> int | None:
     return best
 
 
+def first_replay(plan, jobs: Sequence[engine.Job], target: float, tail, progress) -> engine.Tally:
+    """A search's first replay: `jobs` on their `first_jobs` grids, placed on the first
+    batch as it comes (engine.replay(shape=)), keeping `tail`; no scatter."""
+    return engine.replay(
+        plan,
+        jobs=jobs,
+        progress=progress,
+        final=True,
+        tail=tail,
+        scatter=False,
+        shape=lambda sample: first_jobs(jobs, target, sample),
+    )
+
+
 def first_replay_jobs(plan, jobs: Sequence[engine.Job], target: float) -> list[engine.Job]:
     """`first_jobs` on the sample the replay's tail will set its cutoffs on (one batch read
     ahead, engine.first_sample; none where no job is a token rule's)."""
