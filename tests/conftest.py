@@ -303,7 +303,7 @@ def golden_expected() -> pl.DataFrame:
 class Reads(list):
     """The reads of a log the package made, one entry (its batches) per read that went on
     past its first batch or to the end; `partial` counts the reads stopped after their first
-    batch (a sample read ahead: engine.first_sample)."""
+    batch (a sample read ahead)."""
 
     partial = 0
 

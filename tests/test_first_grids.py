@@ -20,6 +20,18 @@ from mismatch_replay.rules import parse_rule
 SPECS = ["ipo", "icepop", "kpop", "dppo-tv", "token-k3", "m2po"]
 
 
+def _first_sample(plan):
+    """The sample a replay shapes its jobs on: engine.sample_of the first non-empty batch,
+    read here on its own (the read ahead replay(shape=) makes unnecessary)."""
+    from mismatch_replay.rules import TokenBatch
+
+    for _, df in ingest.iter_batches(plan, ["trainer_logprob", "inference_logprob", "advantage"]):
+        if df.height:
+            cols = [df[c].to_numpy() for c in ("trainer_logprob", "inference_logprob", "advantage")]
+            return engine.sample_of(TokenBatch(*cols))
+    return None
+
+
 def _jobs(specs):
     return search.choice_jobs([parse_rule(s) for s in specs], True)
 
@@ -49,7 +61,7 @@ def test_first_grids_keep_the_defaults_and_add_points_only_near_the_target(seed,
     df = random_log(np.random.default_rng(seed), steps=1, seqs=40, max_len=60)
     with log_file(df) as f:
         plan = ingest.plan_sources([f])
-        sample = engine.first_sample(plan, True)
+        sample = _first_sample(plan)
         jobs = _jobs(SPECS)
         first = search.first_jobs(jobs, target, sample)
     for job, fj in zip(jobs, first, strict=True):
@@ -75,7 +87,7 @@ def test_the_samples_fraction_is_the_replays_on_a_one_batch_log(tmp_path, spec):
     f = tmp_path / "log.parquet"
     df.write_parquet(f)
     plan = ingest.plan_sources([f])
-    sample = engine.first_sample(plan, True)
+    sample = _first_sample(plan)
     (job,) = _jobs([spec])[:1]
     tally = engine.replay(plan, jobs=[job], final=True)
     _, hits, tokens = readout.job_counts(tally, 0)
@@ -87,7 +99,7 @@ def test_the_samples_fraction_is_the_replays_on_a_one_batch_log(tmp_path, spec):
 
 def test_a_replay_shapes_its_jobs_on_the_first_batch_as_a_read_ahead_would(tmp_path):
     """replay(shape=): the jobs counted are first_jobs on the first batch's sample, the one
-    engine.first_sample reads ahead; their counts are those of a replay of those jobs."""
+    a read ahead gives; their counts are those of a replay of those jobs."""
     df = random_log(np.random.default_rng(5), steps=3, seqs=40, max_len=60)
     f = tmp_path / "log.parquet"
     df.write_parquet(f)
@@ -96,7 +108,7 @@ def test_a_replay_shapes_its_jobs_on_the_first_batch_as_a_read_ahead_would(tmp_p
     shaped = engine.replay(
         plan, jobs=jobs, final=True, shape=lambda s: search.first_jobs(jobs, 0.01, s)
     )
-    ahead = search.first_jobs(jobs, 0.01, engine.first_sample(plan, True))
+    ahead = search.first_jobs(jobs, 0.01, _first_sample(plan))
     plain = engine.replay(plan, jobs=ahead, final=True)
     for ji, (a, b) in enumerate(zip(shaped.jobs, ahead, strict=True)):
         assert np.array_equal(a.values, b.values), a.label

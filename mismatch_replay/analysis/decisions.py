@@ -45,7 +45,7 @@ from .figure_data import (
     length_rules,
     length_table,
 )
-from .search import choice_jobs, first_replay_jobs, job_key, tail_fraction
+from .search import choice_jobs, first_jobs, job_key, tail_fraction
 from .tail_counts import TailCounts
 
 DECISION_RULES = ("ipo", "icepop@prime-rl", "kpop@prime-rl")
@@ -203,9 +203,7 @@ def report_data(
     with engine.use_precision(precision):
         p = engine.current_precision()
         sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
-        cjobs = first_replay_jobs(
-            plan, choice_jobs([parse_rule(r) for r in names], True), target_fraction
-        )
+        cjobs = choice_jobs([parse_rule(r) for r in names], True)  # shaped on the 1st batch
         pair_jobs = [engine.single_job(parse_rule(r)) for r in ("ipo@prime-rl", BUDGET_PAIR[1])]
         # the chosen settings at their values: the tail then keeps their masked tokens,
         # which give the by-bucket table (TailCounts.by_q_bucket) with no Tally of its own
@@ -219,10 +217,16 @@ def report_data(
             set_jobs = engine.with_precision(set_jobs, p)
         have = {job_key(j) for j in sweep_jobs}
         extra = []
-        for j in [*cjobs, *pair_jobs, *set_jobs]:
+        for j in [*pair_jobs, *set_jobs]:
             if job_key(j) not in have:
                 have.add(job_key(j))
                 extra.append(j)
+        n0 = len(sweep_jobs)
+
+        def shape(sample):  # choose's first grids, placed when the first batch comes
+            first = first_jobs(cjobs, target_fraction, sample)
+            return [*sweep_jobs, *first, *extra]
+
         watched = drift_rules(plan.columns)
         specs = {r.spec() for r in chosen}
         step_rules = chosen + [r for r in watched if r.spec() not in specs]
@@ -236,7 +240,7 @@ def report_data(
         full, by_step, *by_bucket = engine.replay_together(
             plan,
             [
-                {"jobs": sweep_jobs + extra, "tail": tail},
+                {"jobs": [*sweep_jobs, *cjobs, *extra], "tail": tail, "shape": shape},
                 step_part,
                 *([] if from_tail else [bucket_part]),
             ],
@@ -247,8 +251,8 @@ def report_data(
         full.notes = [*notes, *full.notes]
         res = full.result()
         table = res.table
-        if extra:  # the table is in job order: the extra jobs are its last rows
-            table = table.head(table.height - sum(len(j.values) for j in extra))
+        if len(full.jobs) > n0:  # in job order: the sweep's jobs first, then choose's and the rest
+            table = table.head(sum(len(j.values) for j in full.jobs[:n0]))
         choices = choose(
             plan.files,
             target_fraction,

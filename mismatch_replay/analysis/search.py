@@ -22,9 +22,8 @@ for what is left, often nothing; `tail_fraction` sizes that tail for a target.
 
 A search's first replay runs `first_jobs`: the default grids, with FIRST_DENSE points
 between two values only in the intervals where a sample of the log's first batch masks
-within a factor NEAR of the target: choose and compare place them when the replay's first
-batch comes (`engine.replay(shape=)`), the report, whose shared read holds other jobs too,
-on that batch read ahead (`first_replay_jobs`, engine.first_sample).
+within a factor NEAR of the target, placed when the replay's first batch comes
+(`engine.replay(shape=)`: choose, compare and the report's shared read; no read ahead).
 There the bracket's ends and the bootstrap's columns will lie, and the tail's coverage is
 checked at those values; elsewhere the default grid is enough, so the replay costs what the
 default grids cost. The sample only places points: a log whose later batches mask elsewhere
@@ -92,7 +91,8 @@ def first_jobs(
     jobs: Sequence[engine.Job], target: float, sample: TokenBatch | None
 ) -> list[engine.Job]:
     """The first-replay jobs of searches for `target`, shaped on `sample` (the tokens the
-    replay's tail sets its cutoffs on, engine.first_sample): a token or step rule's default
+    replay's tail sets its cutoffs on, engine.sample_of its first batch): a token or step
+    rule's default
     grid gets FIRST_DENSE points only between the two values of each grid interval where
     the sample's masked fraction meets [target / NEAR, target x NEAR] (and the interval on
     each side), where the bracket and the bootstrap's columns will lie: the replay costs
@@ -423,15 +423,6 @@ def first_replay(plan, jobs: Sequence[engine.Job], target: float, tail, progress
         scatter=False,
         shape=lambda sample: first_jobs(jobs, target, sample),
     )
-
-
-def first_replay_jobs(plan, jobs: Sequence[engine.Job], target: float) -> list[engine.Job]:
-    """`first_jobs` on the sample the replay's tail will set its cutoffs on (one batch read
-    ahead, engine.first_sample; none where no job is a token rule's)."""
-    sample = None
-    if any(j.rule.level == "token" for j in jobs):
-        sample = engine.first_sample(plan, "advantage" in plan.columns)
-    return first_jobs(jobs, target, sample)
 
 
 def job_key(j: engine.Job) -> tuple:

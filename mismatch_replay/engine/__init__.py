@@ -57,7 +57,7 @@ from .stream import (
     prefetch,
     shard_tally,
 )
-from .tail import Tail, first_sample
+from .tail import Tail, sample_of
 from .tally import GROUP_KEYS, SweepResult, Tally
 
 __all__ = [
@@ -85,7 +85,6 @@ __all__ = [
     "clear_alignment_warnings",
     "columns_needed",
     "current_precision",
-    "first_sample",
     "length_bucket",
     "parse_sweeps",
     "plan_jobs",
@@ -94,6 +93,7 @@ __all__ = [
     "reclaim_spills",
     "replay",
     "replay_together",
+    "sample_of",
     "scatter_edges",
     "shard_tally",
     "single_job",

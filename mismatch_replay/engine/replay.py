@@ -246,13 +246,14 @@ def replay_together(
     """Several local replays in ONE read of the log: each part is replay()'s keywords
     (rules / sweeps / jobs, by, robust, tail, precision; not match, bootstrap, by="length" or
     Ray, which have passes of their own), plus scatter=False for a Tally that needs no
-    scatter histograms, and gets the Tally replay() would give it.
+    scatter histograms and `shape` (replay()'s), and gets the Tally replay() would give it.
     `observers` see every batch (e.g. inspect's duplicate and alignment checks)."""
     plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
     built = []
     warned = []
     for kw in parts:
         known = {"rules", "sweeps", "jobs", "by", "robust", "tail", "precision", "scatter"}
+        known.add("shape")
         bad = set(kw) - known
         if bad or kw.get("by") == "length":
             raise UsageError(
@@ -272,6 +273,7 @@ def replay_together(
             kw.get("tail"), precision,
         )  # fmt: skip
         tally.scatter = kw.get("scatter", True)
+        tally.shape = kw.get("shape")
         built.append((tally, cols, keep))
         warned.append(spec_warnings(kw.get("rules") or []))
     _stream(plan, built, progress, final, observers)

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from ..ingest import Plan, ReadReport, iter_batches
 from ..rules import TokenBatch
 
 SAMPLE = 1 << 16  # tokens of the first batch the cutoffs are set on
@@ -73,23 +72,6 @@ def sample_of(tb: TokenBatch) -> TokenBatch:
     pick = np.linspace(0, max(n - 1, 0), min(n, SAMPLE)).astype(np.int64)
     adv = None if tb.advantage is None else tb.advantage[pick]
     return TokenBatch(tb.lp[pick], tb.lq[pick], adv)
-
-
-def first_sample(plan: Plan, advantage: bool) -> TokenBatch | None:
-    """The sample a replay's Tail will set its cutoffs on (`sample_of` the log's first
-    non-empty batch), read before the replay (one batch: a search shapes its first grids
-    on it, search.first_jobs); None where the log has no loss token."""
-    cols = ["trainer_logprob", "inference_logprob"] + (["advantage"] if advantage else [])
-    batches = iter_batches(plan, cols, ReadReport())
-    try:
-        for _, df in batches:
-            if df.height:
-                adv = df["advantage"].to_numpy() if advantage else None
-                lp, lq = df["trainer_logprob"].to_numpy(), df["inference_logprob"].to_numpy()
-                return sample_of(TokenBatch(lp, lq, adv))
-    finally:
-        batches.close()
-    return None
 
 
 @dataclass
@@ -193,11 +175,6 @@ class Tail:
                 self.parts = [self._joined]
         return self._joined
 
-    def batch(self) -> TokenBatch:
-        """The kept tokens as a TokenBatch (the rules' own arithmetic)."""
-        a = self.arrays()
-        return TokenBatch(a["lp"], a["lq"], a.get("advantage"))
-
 
 __all__ = [
     "EXTRA",
@@ -205,6 +182,5 @@ __all__ = [
     "SAMPLE",
     "Tail",
     "coordinate_values",
-    "first_sample",
     "sample_of",
 ]
