@@ -1,5 +1,5 @@
 """--robust benchmark: the reference accumulation (Tally._add_robust's numpy code) against
-`engine.robust.add_robust` (numba), on one log, in one run.
+`engine.robust.add_robust` (numba) on the worker threads and on one, on one log, in one run.
 
 Usage:
     python benchmarks/robust_bench.py                      # _data/log_20000000.parquet
@@ -9,10 +9,11 @@ The log is read once (step, sample_id, position and the two log-probs); each 1M-
 then goes through both functions, each with a fresh TokenBatch (as the fused path builds
 one for --robust: the reference pays for the whole batch's p and q), group codes = the step
 column mapped to 0 .. G-1 in order of appearance, G growing as new steps appear (as the
-Tally's `--by step` does). Reading is not timed. The two paths alternate batch by batch (a
-burst of load on this shared machine hits both alike), the best of --repeat passes is kept,
-and the final states are compared bit for bit. Only the ratio means anything
-(benchmarks/README.md).
+Tally's `--by step` does). Reading is not timed. The paths alternate batch by batch (a
+burst of load on this shared machine hits all alike), the best of --repeat passes is kept,
+and the final states are compared bit for bit. "fast" runs on `fast.threads()` threads
+(MISMATCH_REPLAY_THREADS), "one thread" with every batch in one chunk. Only the ratios mean
+anything (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import polars as pl
 
+from mismatch_replay import fast
 from mismatch_replay.engine import robust
 from mismatch_replay.rules import TokenBatch
 
@@ -80,24 +82,35 @@ def main() -> None:
     robust.add_robust(_state(), d[:1000], TokenBatch(lp[:1000], lq[:1000]), g[:1000], int(Gs[0]))
     start = time.perf_counter() - t
 
-    best = {"reference": np.inf, "fast": np.inf}
+    def one_thread(*a):
+        keep, robust.MIN_CHUNK = robust.MIN_CHUNK, 1 << 62
+        try:
+            robust.add_robust(*a)
+        finally:
+            robust.MIN_CHUNK = keep
+
+    paths = {"reference": robust.add_robust_numpy, "fast": robust.add_robust}
+    paths["one thread"] = one_thread
+    best = dict.fromkeys(paths, np.inf)
     for _ in range(args.repeat):
-        states = {"reference": _state(), "fast": _state()}
+        states = {k: _state() for k in paths}
         spent = dict.fromkeys(best, 0.0)
         for (d, lp, lq, g), G in zip(parts, Gs, strict=True):
-            for name, fn in (("reference", robust.add_robust_numpy), ("fast", robust.add_robust)):
+            for name, fn in paths.items():
                 tb = TokenBatch(lp, lq)
                 t = time.perf_counter()
                 fn(states[name], d, tb, g, int(G))
                 spent[name] += time.perf_counter() - t
         best = {k: min(best[k], spent[k]) for k in best}
-    same = _same(states["reference"], states["fast"])
+    same = all(_same(states["reference"], states[k]) for k in paths)
     n = df.height
     print(f"{args.file}: {n:,} tokens, {len(parts)} batches, {int(Gs[-1])} groups")
     print(f"numba start + kernels: {start:.2f} s (once per process)")
+    print(f"threads: {fast.threads()}; batches by path: {dict(robust.paths)}")
     for k, v in best.items():
-        print(f"{k:>9}: {v:7.3f} s  ({1e9 * v / n:6.1f} ns/token)  best of {args.repeat}")
-    print(f"ratio reference / fast: {best['reference'] / best['fast']:.1f}x")
+        print(f"{k:>10}: {v:7.3f} s  ({1e9 * v / n:6.1f} ns/token)  best of {args.repeat}")
+    for k in ("fast", "one thread"):
+        print(f"ratio reference / {k}: {best['reference'] / best[k]:.1f}x")
     print(f"identical (counts, sums bit for bit, top tokens): {same}")
 
 

@@ -1,4 +1,6 @@
-"""The lag check (trainer log-probs shifted against inference) and the degenerate-log flags."""
+"""The lag check (trainer log-probs shifted against inference) and the degenerate-log flags,
+on both paths (`kernel_backend`: the numba kernels of checks_jit, and the polars reference);
+tests/test_checks_fast.py compares the two on random batches."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _brute_means(df: pl.DataFrame) -> dict[int, float]:
     return {k: v / n for k, v in sums.items()}, n
 
 
-def test_an_aligned_log_is_aligned():
+def test_an_aligned_log_is_aligned(kernel_backend):
     c = AlignmentCheck()
     c.add(_golden())
     assert c.shift() == 0 and c.warnings() == []
@@ -57,7 +59,7 @@ def test_an_aligned_log_is_aligned():
 
 
 @pytest.mark.parametrize("s", [1, -1])
-def test_a_shifted_log_is_named_with_its_shift_and_the_evidence(s):
+def test_a_shifted_log_is_named_with_its_shift_and_the_evidence(s, kernel_backend):
     df = _shifted(_golden(), s)
     c = AlignmentCheck()
     c.add(df)
@@ -87,7 +89,7 @@ def test_the_verdict_ignores_row_order_and_adds_across_batches(seed, shift, spli
         assert whole.shift() == shift
 
 
-def test_degenerate_columns_are_flagged():
+def test_degenerate_columns_are_flagged(kernel_backend):
     df = _golden()
     same = df.with_columns(pl.col("inference_logprob").alias("trainer_logprob"))
     c = AlignmentCheck()

@@ -11,7 +11,9 @@ every bin edge's neighbourhood against bins.k3_bin.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -49,6 +51,12 @@ def assert_same(a, b) -> None:
         for c in ta:
             assert ta[c].dtype == tb[c].dtype, (gi, c)
             assert np.array_equal(_bits(ta[c]), _bits(tb[c])), (gi, c, ta[c], tb[c])
+
+
+def assert_scratch_zero() -> None:
+    """Every count and sum array kept for later batches is all zero."""
+    for cs in robust._kept_scratch():
+        assert not cs.any()
 
 
 # ----------------------------------------------------------------------------- batches
@@ -312,8 +320,7 @@ def test_many_groups(monkeypatch):
     assert_same(_run(robust.add_robust, bs, ("step",)), ref)
     monkeypatch.setattr(robust, "KEEP_CELLS", 1 << 30)
     assert_same(_run(robust.add_robust, bs, ("step",)), ref)
-    _, _, cnt, ksum = robust._buffers(1, 700 * (K3_BINS + 1))
-    assert not cnt.any() and not ksum.any()
+    assert_scratch_zero()
 
 
 @needs_numba
@@ -327,8 +334,7 @@ def test_group_codes_out_of_range_are_refused():
             np.array([0, 2]),
             2,
         )
-    _, _, cnt, ksum = robust._buffers(1, 2 * (K3_BINS + 1))
-    assert not cnt.any() and not ksum.any()  # the refused batch left the scratch zero
+    assert_scratch_zero()  # the refused batch left the scratch zero
 
 
 def test_the_numpy_backend_runs_the_reference():
@@ -366,3 +372,284 @@ def test_k3_bin_does_not_depend_on_numpys_log10(monkeypatch):
     monkeypatch.setattr(np, "log10", no)
     assert np.array_equal(k3_bin(k3), want)
     assert want[0] == 0 and want[-1] == K3_BINS
+
+
+# ----------------------------------------------------------------------------- chunks, threads
+
+
+@contextlib.contextmanager
+def chunked(threads: int, static: bool):
+    """Batches of any size split into chunks (MIN_CHUNK 1) over `threads` threads: real
+    ones taking whichever chunk is next, or (static) chunk c to thread c % threads, run one
+    after the other here (a split of the groups over threads that is known in advance)."""
+    old = (robust.MIN_CHUNK, robust.STATIC, os.environ.get("MISMATCH_REPLAY_THREADS"))
+    robust.MIN_CHUNK, robust.STATIC = 1, static
+    os.environ["MISMATCH_REPLAY_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        robust.MIN_CHUNK, robust.STATIC = old[0], old[1]
+        if old[2] is None:
+            del os.environ["MISMATCH_REPLAY_THREADS"]
+        else:
+            os.environ["MISMATCH_REPLAY_THREADS"] = old[2]
+
+
+# l whose k3 lies within a window of a bin edge (bins.k3_bin decides those) or just outside
+EDGE_L = [_l_at(e) for e in robust.EDGES[[800, 1500, 1990, 2001, 2300]]]
+EDGE_L = (
+    np.array(EDGE_L).view(np.int64)[:, None] + np.array([-(1 << 20), -9, 0, 4, 1 << 20])
+).ravel()
+EDGE_L = EDGE_L.view(np.float64).tolist()
+
+edge_ls = st.one_of(ls, st.sampled_from(EDGE_L), st.sampled_from(EDGE_L).map(lambda x: -x))
+
+
+@st.composite
+def chunk_batches(draw):
+    """batches() whose groups come in runs (a log sorted by step: chunks never split a
+    group), interleaved, or mixed, with log ratios near bin edges too."""
+    out = []
+    G = draw(st.integers(1, 5))
+    for _ in range(draw(st.integers(1, 3))):
+        G += draw(st.integers(0, 2))
+        runs = draw(st.lists(st.tuples(st.integers(0, G - 1), st.integers(1, 60)), max_size=8))
+        g = np.array([gi for gi, k in runs for _ in range(k)] or [0], dtype=np.int64)
+        if draw(st.booleans()):  # some tokens moved into other groups' runs
+            flip = np.array(draw(st.lists(st.booleans(), min_size=g.size, max_size=g.size)))
+            g[flip] = draw(st.integers(0, G - 1))
+        n = g.size
+        lr = np.array(draw(st.lists(edge_ls, min_size=n, max_size=n)))
+        lq = np.array(draw(st.lists(lqs, min_size=n, max_size=n)))
+        if draw(st.booleans()):  # l = lp - lq exactly the drawn ratio (edges stay edges)
+            lq[:] = 0.0
+        with np.errstate(invalid="ignore"):
+            lp = lq + lr
+        out.append((lp, lq, g, G, draw(st.integers(0, 2**32))))
+    return out
+
+
+@needs_numba
+@given(chunk_batches(), cols_st, st.integers(2, 5), st.booleans(), st.booleans())
+def test_chunks_over_threads_are_the_reference_bit_for_bit(bs, cols, threads, static, nan):
+    """Any split over chunks and threads (groups kept by one thread, or split and the
+    batch redone), tokens near edges in any chunk, NaN: counts, sums, top tokens and ties
+    exactly the reference's."""
+    if nan:
+        bs = [(np.where(np.arange(lp.size) % 7 == 3, np.nan, lp), *rest) for lp, *rest in bs]
+    with np.errstate(all="ignore"):
+        ref = _run(robust.add_robust_numpy, bs, cols)
+    with chunked(threads, static):
+        got = _run(robust.add_robust, bs, cols)
+    assert_same(got, ref)
+    assert_scratch_zero()
+
+
+@needs_numba
+@given(batches(), cols_st, st.integers(2, 4))
+def test_random_batches_over_threads(bs, cols, threads):
+    with np.errstate(all="ignore"):
+        ref = _run(robust.add_robust_numpy, bs, cols)
+    for static in (True, False):
+        with chunked(threads, static):
+            assert_same(_run(robust.add_robust, bs, cols), ref)
+
+
+def _runs_log(rng, pattern: list[int], run: int):
+    """Groups in runs of `run` tokens, in the order `pattern` gives."""
+    g = np.repeat(np.array(pattern, dtype=np.int64), run)
+    lq = np.log(rng.uniform(1e-6, 1.0, g.size))
+    return lq + rng.normal(0, 0.5, g.size), lq, g
+
+
+@needs_numba
+def test_each_path_runs_and_is_the_reference():
+    """Sorted runs: the threads' sums kept ("threads"); a group in two threads' chunks:
+    the batch redone ("redone"); one group: one chunk ("serial"). All the reference's."""
+    rng = np.random.default_rng(12)
+    cases = [
+        ([0, 1, 2, 3, 4, 5, 6, 7], 4, "threads"),  # one group per chunk
+        ([0, 1, 0, 1, 0, 1, 0, 1], 2, "threads"),  # chunk c's group c % 2: thread c % 2's
+        ([0, 1, 2, 0, 1, 2, 0, 1], 2, "redone"),  # group 0 in chunks 0 and 3: both threads
+        ([0] * 8, 2, "serial"),
+    ]
+    for pattern, threads, path in cases:
+        lp, lq, g = _runs_log(rng, pattern, 50)
+        G = int(g.max()) + 1
+        bs = [(lp, lq, g, G, 1), (lp[::-1].copy(), lq[::-1].copy(), g, G, 2)]
+        ref = _run(robust.add_robust_numpy, bs, ("position",))
+        before = robust.paths[path]
+        with chunked(threads, static=True):
+            got = _run(robust.add_robust, bs, ("position",))
+        assert robust.paths[path] == before + 2, (pattern, dict(robust.paths))
+        assert_same(got, ref)
+        assert_scratch_zero()
+
+
+@needs_numba
+def test_ties_across_chunks_keep_the_earliest_tokens():
+    """Equal k3 in every chunk of a group (its chunks all one thread's): the merge of the
+    chunks' top tokens keeps the earliest, as the stable sorts do."""
+    n = 400
+    lp, lq = np.full(n, 0.5), np.zeros(n)
+    g = np.repeat(np.array([0, 1] * 4), 50)
+    with chunked(2, static=True):
+        s = _state()
+        robust.add_robust(s, pl.DataFrame({"position": np.arange(n)}), TokenBatch(lp, lq), g, 2)
+    assert s.top[0]["position"].tolist() == list(range(TOP_TOKENS))
+    assert s.top[1]["position"].tolist() == list(range(50, 50 + TOP_TOKENS))
+
+
+@needs_numba
+def test_group_codes_out_of_range_in_a_chunk_are_refused():
+    rng = np.random.default_rng(13)
+    lp, lq, g = _runs_log(rng, [0, 1, 2, 3, 4, 5, 6, 7], 50)
+    g[330] = 8
+    for static in (True, False):
+        s = _state()
+        with chunked(2, static), pytest.raises(ValueError, match="outside"):
+            robust.add_robust(s, pl.DataFrame({"x": g}), TokenBatch(lp, lq), g, 8)
+        assert not s.k3_hist.any() and s.top == {}
+        assert_scratch_zero()
+
+
+@needs_numba
+def test_a_real_sized_batch_over_real_threads():
+    """300k tokens in sorted runs and interleaved, on the worker threads (MIN_CHUNK as it
+    is), with tokens near edges scattered in."""
+    rng = np.random.default_rng(14)
+    n = 300_000
+    lq = np.log(rng.uniform(1e-8, 1.0, n))
+    lp = lq + rng.standard_t(2, n) * 0.05
+    near = rng.integers(0, n, 40)
+    lp[near] = lq[near] + rng.choice(EDGE_L, 40)
+    old = os.environ.get("MISMATCH_REPLAY_THREADS")
+    os.environ["MISMATCH_REPLAY_THREADS"] = "3"
+    try:
+        for g in (np.repeat(np.arange(30), n // 30), rng.integers(0, 30, n)):
+            df = pl.DataFrame({"step": g, "position": np.arange(n)})
+            a, b = _state(), _state()
+            robust.add_robust(a, df, TokenBatch(lp, lq), g, 30)
+            robust.add_robust_numpy(b, df, TokenBatch(lp, lq), g, 30)
+            assert_same(a, b)
+    finally:
+        if old is None:
+            del os.environ["MISMATCH_REPLAY_THREADS"]
+        else:
+            os.environ["MISMATCH_REPLAY_THREADS"] = old
+    assert_scratch_zero()
+
+
+# ----------------------------------------------------------------------------- shared codes
+
+
+def _seq_log(tmp_path, seed: int, sorted_log: bool):
+    """random_log with prompt groups; unsorted: sequences interleaved and split, so that
+    sequences span batches and runs repeat (the codes' general path)."""
+    from conftest import random_log
+
+    df = random_log(np.random.default_rng(seed), steps=5, seqs=14, max_len=40)
+    df = df.with_columns(group_id=pl.col("sample_id") // 4)
+    if not sorted_log:
+        rng = np.random.default_rng(seed + 1)
+        order = np.argsort(np.arange(df.height) // 7 + rng.integers(0, 4, df.height) * 5)
+        df = df[order]
+    path = tmp_path / f"log_{seed}_{sorted_log}.parquet"
+    df.write_parquet(path)
+    return path
+
+
+def _assert_same_tally(a, b) -> None:
+    """Two Tallies of the same rows: sequences (keys, codes, sums), bins, tables, robust."""
+    assert list(a.seq_keys.items()) == list(b.seq_keys.items())
+    assert list(a.sequences.pgroup_keys.items()) == list(b.sequences.pgroup_keys.items())
+    for name in a.sequences.sums:
+        x, y = a.sequences.column(name), b.sequences.column(name)
+        if name in ("group", "pgroup", "n"):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        else:  # the fused kernel's sums: their threads' order may differ
+            np.testing.assert_allclose(x, y, rtol=1e-12, err_msg=name)
+    assert sorted(a.seq_max) == sorted(b.seq_max)
+    for ji in a.seq_max:
+        np.testing.assert_array_equal(
+            a.seq_max[ji].a[: len(a.sequences)], b.seq_max[ji].a[: len(b.sequences)]
+        )
+    ta, tb = a.result().table, b.result().table
+    assert ta.columns == tb.columns and ta.height == tb.height
+    for c in ta.columns:
+        if ta[c].dtype.is_float():
+            np.testing.assert_allclose(ta[c].to_numpy(), tb[c].to_numpy(), rtol=1e-12, err_msg=c)
+        else:
+            assert ta[c].to_list() == tb[c].to_list(), c
+    if a.robust:
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("sorted_log", [True, False])
+def test_one_reads_tallies_share_sequence_codes(tmp_path, monkeypatch, sorted_log):
+    """replay_together: the first Tally's sequence codes serve the others (one computation
+    a batch), and every Tally is the one its own replay gives: sequence ids, prompt groups,
+    per-sequence sums and highest bins, tables, robust statistics."""
+    from mismatch_replay import engine, ingest
+    from mismatch_replay.analysis.figure_data import DEFAULT_SETTINGS
+    from mismatch_replay.engine.sequences import Sequences
+
+    path = _seq_log(tmp_path, 21, sorted_log)
+    opts = ingest.ReadOptions(batch_rows=97)
+    rules = list(DEFAULT_SETTINGS)
+    parts = [
+        {"rules": None, "tail": engine.Tail(0.01)},  # m2po: its ids go into its store's slab
+        {"rules": rules, "by": "step", "robust": True, "scatter": False},
+        {"rules": rules, "by": "env", "scatter": False},
+    ]
+    computed = []
+    codes = Sequences._codes
+
+    def counting(self, df, into, new):
+        computed.append(df.height)
+        return codes(self, df, into, new)
+
+    monkeypatch.setattr(Sequences, "_codes", counting)
+    together = engine.replay_together([path], parts, options=opts, final=True)
+    batches = len(computed)
+    assert batches > 5
+    assert all(t.sequences._leader is None for t in together)  # unlinked after the read
+    alone = [
+        engine.replay([path], options=opts, final=True, tail=engine.Tail(0.01)),
+        engine.replay([path], rules=rules, by="step", robust=True, options=opts, final=True),
+        engine.replay([path], rules=rules, by="env", options=opts, final=True),
+    ]
+    assert len(computed) == 4 * batches  # each replay alone computes its own
+    for got, ref in zip(together, alone, strict=True):
+        _assert_same_tally(got, ref)
+
+
+def test_a_follower_fed_other_rows_computes_its_own():
+    """Sequences.lead: a follower whose batch is not its leader's last (another height or
+    other ends, or a call too many) computes its own codes, then and from then on."""
+    from mismatch_replay.engine.sequences import Sequences
+
+    def batch(steps, sids):
+        return pl.DataFrame({"step": steps, "sample_id": sids})
+
+    b1 = batch([0, 0, 0, 1, 1], [0, 0, 1, 0, 0])
+    b2 = batch([1, 2, 2], [0, 5, 5])
+    b3 = batch([1, 2, 2, 3], [0, 5, 5, 9])
+    lead, follow, ref = Sequences(), Sequences(), Sequences()
+    lead.lead([follow])
+    with pytest.raises(ValueError, match="before the first batch"):
+        ref.codes(b1)
+        Sequences().lead([ref])
+    ref = Sequences()
+    got = []
+    for x, y in ((b1, b1), (b2, b3), (b3, b2)):
+        lead.codes(x)
+        g, (u, loc) = follow.codes(y)
+        gr, (ur, lr) = ref.codes(y)
+        got.append(follow._leader is lead)
+        np.testing.assert_array_equal(g, gr)
+        np.testing.assert_array_equal(u[loc], ur[lr])
+    assert got == [True, False, False]
+    assert list(follow.keys.items()) == list(ref.keys.items())
+    lead.lead([])
+    assert follow._leader is None and lead._last is None

@@ -181,6 +181,7 @@ def report_data(
     progress: Callable[[int, int], None] | None = None,
     precision: str | None = None,
     summary: dict | None = None,
+    on_sweep: Callable[[pl.DataFrame], None] | None = None,
 ) -> tuple[FigureData, Decisions]:
     """`figure_data` and `decisions` together, from ONE read of the log for all but the
     by-length figure (`engine.replay_together`, the module docstring): the full sweep
@@ -189,7 +190,9 @@ def report_data(
     checks of the same batches (into `summary["summary"]` when a dict is given). The
     by-length table is its own replay, with each sequence's length from the first read
     (none without sample_id). A tail that does not settle something (the simple path, a
-    float32 replay) costs the pass it replaces."""
+    float32 replay) costs the pass it replaces. `on_sweep(table)` is called with the sweep
+    table (FigureData.sweep, the same object) as soon as the read has made it (the report
+    starts drawing masked_fraction then, in another process)."""
     from .inspect import Checks, summarize
 
     plan = ingest.plan_sources(sources, options)
@@ -253,6 +256,8 @@ def report_data(
         table = res.table
         if len(full.jobs) > n0:  # in job order: the sweep's jobs first, then choose's and the rest
             table = table.head(sum(len(j.values) for j in full.jobs[:n0]))
+        if on_sweep is not None:
+            on_sweep(table)
         choices = choose(
             plan.files,
             target_fraction,

@@ -8,9 +8,11 @@ Design
 steps are resolved during the replay as soon as the Parquet row-group statistics of the
 step column rule out more of their rows (`Tally.seal_m2po`, in a thread beside the
 replay). match="prime-rl" and --by length cost a pre-pass that numbers the sequences and
-counts their loss tokens (`stream.count_sequences`). engine="ray" computes the same Tally
-per shard on a Ray cluster and adds them up (ray.py). The timings of the default sweep are
-in benchmarks/README.md.
+counts their loss tokens (`stream.count_sequences`). `replay_together` streams one read
+into several Tallies; those with sequences take the first one's sequence codes of each
+batch (`Sequences.lead`) instead of numbering the same rows again. engine="ray" computes
+the same Tally per shard on a Ray cluster and adds them up (ray.py). The timings of the
+default sweep are in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -201,30 +203,38 @@ def _stream(plan, parts, progress, final: bool, observers) -> list[int]:
     m2po = final and any(j.rule.level == "step" for t, _, _ in parts for j in t.jobs)
     bounds = step_bounds(plan) if m2po else None
     report = parts[0][0].report
-    checked = False
-    batches = ((df, report.rows) for _, df in iter_batches(plan, cols, report))
-    for df, rows in stream.prefetch(batches):  # rows: raw rows read up to this batch
-        if df.height and not checked:  # are the two columns about the same tokens?
-            checked = True
-            stream.warn_alignment(plan, df)
-        for obs in observers:
-            if df.height:
-                obs(df)
-        for k, (tally, tcols, keep) in enumerate(parts):
-            part = df if len(parts) == 1 and tcols == cols else df.select(tcols)
-            if keep is not None:
-                before = part.height
-                part = keep(part)
-                dropped[k] += before - part.height
-            if part.height:
-                tally.add_batch(part)
-        if bounds is not None:
-            done = bisect.bisect_right(bounds[0], rows)  # row groups read to their end
-            if done:
-                for tally, _, _ in parts:
-                    tally.seal_m2po(bounds[1][done - 1], background=True)
-        if progress is not None:
-            progress(report.rows, total)
+    # the Tallies with sequences see the same rows: the first one's codes serve them all
+    seqs = [t.sequences for t, _, keep in parts if t.has_seq and keep is None]
+    if len(seqs) > 1:
+        seqs[0].lead(seqs[1:])
+    try:
+        checked = False
+        batches = ((df, report.rows) for _, df in iter_batches(plan, cols, report))
+        for df, rows in stream.prefetch(batches):  # rows: raw rows read up to this batch
+            if df.height and not checked:  # are the two columns about the same tokens?
+                checked = True
+                stream.warn_alignment(plan, df)
+            for obs in observers:
+                if df.height:
+                    obs(df)
+            for k, (tally, tcols, keep) in enumerate(parts):
+                part = df if len(parts) == 1 and tcols == cols else df.select(tcols)
+                if keep is not None:
+                    before = part.height
+                    part = keep(part)
+                    dropped[k] += before - part.height
+                if part.height:
+                    tally.add_batch(part)
+            if bounds is not None:
+                done = bisect.bisect_right(bounds[0], rows)  # row groups read to their end
+                if done:
+                    for tally, _, _ in parts:
+                        tally.seal_m2po(bounds[1][done - 1], background=True)
+            if progress is not None:
+                progress(report.rows, total)
+    finally:  # unlinked however the read ends
+        if len(seqs) > 1:
+            seqs[0].lead([])
     for tally, _, _ in parts:
         if tally.report is not report:  # the read's counts, as a read of its own would give
             tally.report = dataclasses.replace(

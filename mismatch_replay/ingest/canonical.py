@@ -609,13 +609,21 @@ class DuplicateCheck:
     least that many repeated rows (exact when positions run without gaps, as trainers write
     them; a lower bound otherwise). Needs sample_id and position (a per-sequence layout
     numbers its positions, so a repeated sequence row is found too). ~40 bytes a sequence.
-    Used by inspect and convert (a sweep does not pay for it)."""
+    Used by inspect and convert (a sweep does not pay for it).
+
+    On the numba backend a batch's runs come from one kernel pass (`_run_arrays`,
+    checks_jit.seq_runs) and wait as int64 arrays until `_merge` frames them: no polars
+    call per batch (building five small Series costs little alone, but inside a read that
+    keeps polars' threads busy each one waits for them). The numpy `_runs` and polars'
+    group_by remain the reference and the numpy backend's path; the table is the same."""
 
     KEYS = ("step", "sample_id", "position")
+    _NAMES = ("step", "sample_id", "n", "lo", "hi")
 
     def __init__(self) -> None:
         self.table: pl.DataFrame | None = None
         self.parts: list[pl.DataFrame] = []
+        self.runs: list[tuple[tuple, np.ndarray]] = []  # (dtypes, runs) from the kernel
         self.pending = 0
 
     @classmethod
@@ -625,15 +633,59 @@ class DuplicateCheck:
     def add(self, df: pl.DataFrame) -> None:
         if df.height == 0 or not all(k in df.columns for k in self.KEYS):
             return
-        part = self._runs(df)
-        if part is None:
-            part = df.group_by("step", "sample_id").agg(
-                n=pl.len(), lo=pl.col("position").min(), hi=pl.col("position").max()
-            )
-        self.parts.append(part)
-        self.pending += part.height
-        if self.pending > (1 << 18) or len(self.parts) > 64:
+        got = self._run_arrays(df)
+        if got is not None:
+            self.runs.append(got)
+            self.pending += got[1].shape[1]
+        else:
+            part = self._runs(df)
+            if part is None:
+                part = df.group_by("step", "sample_id").agg(
+                    n=pl.len(), lo=pl.col("position").min(), hi=pl.col("position").max()
+                )
+            self.parts.append(part)
+            self.pending += part.height
+        if self.pending > (1 << 18) or len(self.parts) + len(self.runs) > 64:
             self._merge()
+
+    @staticmethod
+    def _run_arrays(df: pl.DataFrame) -> tuple[tuple, np.ndarray] | None:
+        """`_runs` in one pass of checks_jit.seq_runs (the same runs and limit) as (the
+        dtypes of `_runs`' columns, an int64 array of its 5 columns by run), or None on
+        the numpy backend or where a key column is not an integer that int64 holds (not
+        UInt64) without nulls, or the runs are short: `_runs`, then group_by, decide."""
+        from .. import fast
+
+        if fast.compiled() is None:
+            return None
+        cols = [df[k] for k in ("step", "sample_id", "position")]
+        if not all(
+            c.dtype.is_integer() and c.dtype != pl.UInt64 and c.null_count() == 0 for c in cols
+        ):
+            return None
+        from . import checks_jit
+
+        step, sid, pos = (np.ascontiguousarray(c.to_numpy(), dtype=np.int64) for c in cols)
+        limit = 64 + df.height // 16
+        out = np.empty((5, limit), np.int64)
+        k = checks_jit.seq_runs(step, sid, pos, limit, *out)
+        if k < 0:
+            return None
+        dtypes = (cols[0].dtype, cols[1].dtype, pl.UInt32(), cols[2].dtype, cols[2].dtype)
+        return dtypes, out[:, :k].copy()
+
+    @classmethod
+    def _runs_frame(cls, dtypes: tuple, runs: np.ndarray) -> pl.DataFrame:
+        """The (step, sample_id, n, lo, hi) frame of `_run_arrays`' output."""
+        return pl.DataFrame(
+            [pl.Series(nm, a, dtype=t) for nm, a, t in zip(cls._NAMES, runs, dtypes, strict=True)]
+        )
+
+    @classmethod
+    def _runs_jit(cls, df: pl.DataFrame) -> pl.DataFrame | None:
+        """`_run_arrays` as `_runs`' frame (None where it is None)."""
+        got = cls._run_arrays(df)
+        return None if got is None else cls._runs_frame(*got)
 
     @staticmethod
     def _runs(df: pl.DataFrame) -> pl.DataFrame | None:
@@ -660,14 +712,18 @@ class DuplicateCheck:
         )
 
     def _merge(self) -> None:
-        if not self.parts:
+        if not self.parts and not self.runs:
             return
-        frames = ([self.table] if self.table is not None else []) + self.parts
+        by_dtypes: dict[tuple, list[np.ndarray]] = {}
+        for dtypes, runs in self.runs:
+            by_dtypes.setdefault(dtypes, []).append(runs)
+        kernel = [self._runs_frame(d, np.concatenate(r, axis=1)) for d, r in by_dtypes.items()]
+        frames = ([self.table] if self.table is not None else []) + self.parts + kernel
         both = pl.concat(frames, how="vertical_relaxed")
         self.table = both.group_by("step", "sample_id").agg(
             n=pl.col("n").sum(), lo=pl.col("lo").min(), hi=pl.col("hi").max()
         )
-        self.parts, self.pending = [], 0
+        self.parts, self.runs, self.pending = [], [], 0
 
     def counts(self) -> tuple[int, int]:
         """(repeated rows at least, sequences holding them)."""

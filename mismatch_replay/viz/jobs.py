@@ -20,6 +20,7 @@ first pass over the log, so a refused call costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -29,6 +30,7 @@ from .. import analysis, engine, ingest
 from ..analysis.figure_data import NO_LENGTH_NOTE
 from ..errors import UsageError
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
+from . import pool
 from . import report as page
 from .render import FIGURES, figures, render_all
 
@@ -67,18 +69,24 @@ def plot(
     force: bool = False,
     options: ingest.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    figure_process: bool | None = None,
 ) -> dict[str, Path]:
     """The figures of a log, written into outdir: name -> path of each written
-    (masked_by_length only where the log has sequence ids; a `FigureNote` otherwise)."""
+    (masked_by_length only where the log has sequence ids; a `FigureNote` otherwise).
+    `figure_process`: draw part of the figures in a second process (`pool.FigurePool`;
+    None: where `pool.wanted()`, i.e. two cores or more)."""
     outdir = Path(outdir)
     if fmt not in ("png", "svg", "pdf"):
         raise UsageError(f"--image-format {fmt}: use png, svg or pdf.")
     _refuse_existing(outdir, [f"{n}.{fmt}" for n in FIGURES], force)
-    data = analysis.figure_data(sources, settings, options=options, progress=progress)
-    if data.by_length is None:
-        warnings.warn(NO_LENGTH_NOTE, FigureNote, stacklevel=2)
-    ensure_dir(outdir)
-    return render_all(data, outdir, fmt, target_fraction=target_fraction, force=force)
+    with _pool(figure_process) as helper:  # starts now: its imports overlap the replays
+        data = analysis.figure_data(sources, settings, options=options, progress=progress)
+        if data.by_length is None:
+            warnings.warn(NO_LENGTH_NOTE, FigureNote, stacklevel=2)
+        ensure_dir(outdir)
+        return render_all(
+            data, outdir, fmt, target_fraction=target_fraction, force=force, pool=helper
+        )
 
 
 def report(
@@ -94,6 +102,7 @@ def report(
     precision: str | None = None,
     precision_threshold: float = analysis.PRECISION_THRESHOLD,
     keep: dict | None = None,  # receives data, decisions, summary (W&B / TensorBoard)
+    figure_process: bool | None = None,  # as plot's
 ) -> Path:
     """index.html with the figures, the tables, the Decision section and the command.
 
@@ -108,39 +117,56 @@ def report(
     # the float32 check's 2, and drawing the figures
     passes = 2 + (2 if precision == "float32" else 0)
     bar = Stages(progress, passes)
-    got: dict = {}
-    data, dec = analysis.report_data(
-        sources,
-        settings,
-        target_fraction,
-        bootstrap=bootstrap,
-        options=options,
-        progress=bar,
-        precision=precision,
-        summary=got,
-    )
-    summary = got["summary"]
-    sections = [("Decision", page.decision_html(dec))]
-    if precision == "float32":
-        check = analysis.precision_check(
-            sources, settings, precision_threshold, options=options, progress=bar
+    with _pool(figure_process) as helper:  # starts now: its imports overlap the read
+        got: dict = {}
+        data, dec = analysis.report_data(
+            sources,
+            settings,
+            target_fraction,
+            bootstrap=bootstrap,
+            options=options,
+            progress=bar,
+            precision=precision,
+            summary=got,
+            on_sweep=None if helper is None else lambda t: _early(helper, t, target_fraction),
         )
-        sections.append(page.precision_section(check))
-    if keep is not None:
-        keep.update(data=data, decisions=dec, summary=summary)
-    ensure_dir(outdir)
-    write_table(data.sweep, outdir / SWEEP_CSV, force=force)
-    return page.write_report(
-        data,
-        outdir,
-        command=command,
-        summary=summary.to_dict(),
-        force=force,
-        target_fraction=target_fraction,
-        sections=sections,
-        choices=dec.choose,
-        progress=bar.last_stage,
-    )
+        summary = got["summary"]
+        sections = [("Decision", page.decision_html(dec))]
+        if precision == "float32":
+            check = analysis.precision_check(
+                sources, settings, precision_threshold, options=options, progress=bar
+            )
+            sections.append(page.precision_section(check))
+        if keep is not None:
+            keep.update(data=data, decisions=dec, summary=summary)
+        ensure_dir(outdir)
+        write_table(data.sweep, outdir / SWEEP_CSV, force=force)
+        return page.write_report(
+            data,
+            outdir,
+            command=command,
+            summary=summary.to_dict(),
+            force=force,
+            target_fraction=target_fraction,
+            sections=sections,
+            choices=dec.choose,
+            progress=bar.last_stage,
+            pool=helper,
+        )
+
+
+def _early(helper: pool.FigurePool, table, target_fraction: float) -> None:
+    """masked_fraction sent to the helper as soon as its sweep table exists (write_report's
+    PNG at its resolution: `render_all` picks it up)."""
+    kw = {"target_fraction": target_fraction}
+    helper.send("masked_fraction", pool.Part(sweep=table), "png", page.DPI, kw)
+
+
+def _pool(figure_process: bool | None):
+    """A `FigurePool` where wanted (`figure_process`, else `pool.wanted()`), else a no-op
+    context giving None."""
+    use = pool.wanted() if figure_process is None else figure_process
+    return pool.FigurePool() if use else contextlib.nullcontext()
 
 
 class Stages:

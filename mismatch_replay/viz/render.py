@@ -8,10 +8,11 @@ function that builds it from one FigureData (the headline scatter's boundaries c
 chosen settings: `scatter_kwargs`; masked_by_length needs `data.by_length`, absent where the
 log has no sequence ids, and a note says so). `render_all` checks the format and every
 target before drawing anything (an existing file is refused unless `force`), then builds and
-writes the figures one at a time, so at most one Figure is alive. `save` writes one figure
-through `output.atomic_write` (a hidden temporary file in the same folder, then an exclusive
-publish unless `force`) with fixed metadata: no creation date in SVG or PDF, the version in
-PNG.
+writes the figures one at a time, so at most one Figure is alive; given a `pool.FigurePool`,
+its helper process draws masked_fraction (about half the drawing) meanwhile. `save` writes
+one figure through `output.atomic_write` (a hidden temporary file in the same folder, then
+an exclusive publish unless `force`) with fixed metadata: no creation date in SVG or PDF,
+the version in PNG.
 
 The figures' cost does not depend on the log's size (they draw aggregated tables) but on
 matplotlib's work per artist: ticks, texts, legends, measured by the layout and again by the
@@ -24,9 +25,10 @@ and PDF go through plain savefig: their layout must be measured with their own r
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol
 
 import matplotlib as mpl
 from matplotlib.figure import Figure
@@ -41,6 +43,17 @@ from .style import AggCanvas, agg_canvas
 
 if TYPE_CHECKING:
     from ..analysis import FigureData
+
+
+class Helper(Protocol):
+    """What `render_all` needs of a process that draws some figures (`pool.FigurePool`)."""
+
+    offload: tuple[str, ...]  # the figures it draws
+
+    def ask(self, name: str, data, fmt: str, dpi: int, kw: dict) -> bool: ...
+
+    def result(self, name: str) -> bytes | None: ...  # None: draw it here
+
 
 FIGURES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
 FORMATS = ("png", "svg", "pdf")
@@ -77,20 +90,32 @@ def figures(data: FigureData, target_fraction: float | None = None) -> dict[str,
 
 def save(fig: Figure, path: Path, fmt: str, dpi: int = 150, force: bool = True) -> Path:
     """Write a figure atomically (output.atomic_write: a hidden temporary file in the same
-    folder, then an exclusive publish unless force). A PNG goes through `_png`."""
+    folder, then an exclusive publish unless force): the bytes of `encode`."""
+    return write(encode(fig, fmt, dpi), path, force)
+
+
+def write(image: bytes, path: Path, force: bool = True) -> Path:
+    """Publish an encoded figure at path, as `save` does (a helper process's: pool.py)."""
+    return atomic_write(Path(path), lambda tmp: tmp.write_bytes(image), force)
+
+
+def encode(fig: Figure, fmt: str, dpi: int = 150) -> bytes:
+    """The figure's file as bytes, with fixed metadata (no creation date in SVG or PDF, the
+    version in PNG). A PNG goes through `_png`."""
     meta = {
         "png": {"Software": f"mismatch-replay {__version__}"},
         "svg": {"Date": None},
         "pdf": {"CreationDate": None},
     }[fmt]
+    out = io.BytesIO()
     if fmt == "png":
-        return atomic_write(Path(path), lambda tmp: _png(fig, tmp, dpi, meta), force)
-    return atomic_write(
-        Path(path), lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, metadata=meta), force
-    )
+        _png(fig, out, dpi, meta)
+    else:
+        fig.savefig(out, format=fmt, dpi=dpi, metadata=meta)
+    return out.getvalue()
 
 
-def _png(fig: Figure, tmp: Path, dpi: int, meta: dict) -> None:
+def _png(fig: Figure, tmp: IO[bytes], dpi: int, meta: dict) -> None:
     """savefig's PNG, laid out once and drawn once, compressed at PNG_COMPRESS_LEVEL.
 
     savefig draws a figure that has a layout engine twice: once with drawing disabled, to
@@ -136,12 +161,14 @@ def render_all(
     force: bool = False,
     dpi: int = 150,
     progress: Callable[[int, int], None] | None = None,
+    pool: Helper | None = None,
 ) -> dict[str, Path]:
     """Write scatter, masked_fraction, steps, where_masked and (where the log has sequence
     ids) masked_by_length (.png/.svg/.pdf) into outdir; returns name -> path of each written.
 
     Refuses (before writing anything) if any of the files exists, unless `force`.
-    `progress(done, total)` is called after each figure.
+    `progress(done, total)` is called after each figure. `pool` (a `Helper`: `pool.FigurePool`):
+    the figures of its `offload` are drawn in its helper process meanwhile, the same files.
     """
     fmt = fmt.lower().lstrip(".")
     if fmt not in FORMATS:
@@ -156,8 +183,27 @@ def render_all(
         more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
         raise UsageError(f"{existing[0]}: the file exists{more}; pass --force to overwrite it.")
     ensure_dir(outdir)
-    for i, (name, build) in enumerate(builds.items()):
-        save(build(), targets[name], fmt, dpi, force=force)
+    drawn = 0
+
+    def tick() -> None:
+        nonlocal drawn
+        drawn += 1
         if progress is not None:
-            progress(i + 1, len(builds))
+            progress(drawn, len(builds))
+
+    kw = {"target_fraction": target_fraction}
+    away = set()
+    if pool is not None:  # the helper's figures (one it was sent early is kept: `ready`)
+        away = {n for n in pool.offload if n in builds and pool.ask(n, data, fmt, dpi, kw)}
+    for name, build in builds.items():
+        if name not in away:
+            save(build(), targets[name], fmt, dpi, force=force)
+            tick()
+    for name in sorted(away, key=list(builds).index):
+        image = pool.result(name)
+        if image is None:  # the helper could not: drawn here
+            save(builds[name](), targets[name], fmt, dpi, force=force)
+        else:
+            write(image, targets[name], force=force)
+        tick()
     return targets

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     )
 
 INDEX = "index.html"
+DPI = 150  # of the report's PNGs (~1 MB for the page)
 
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222;
@@ -511,9 +512,10 @@ def write_report(
     force: bool = False,
     target_fraction: float | None = None,
     sections: Sequence[tuple[str, str]] = (),
-    dpi: int = 150,
+    dpi: int = DPI,
     choices: Sequence[Choice] | None = None,
     progress=None,
+    pool=None,
 ) -> Path:
     """Write outdir/index.html and the figure PNGs next to it; return the page's path.
 
@@ -521,7 +523,8 @@ def write_report(
     `summary`: an inspect summary (`Summary.to_dict()`), optional. `sections`: extra
     (title, HTML) sections, e.g. a "Decision"; their HTML is trusted, their titles escaped.
     `dpi`: of the PNGs (150: ~1 MB for the page). Refuses to overwrite index.html or a figure
-    unless `force`. `choices`: see `render_html`; `progress(done, total)`: per figure drawn.
+    unless `force`. `choices`: see `render_html`; `progress(done, total)`: per figure drawn;
+    `pool`: a `pool.FigurePool` that draws some of the figures meanwhile (`render_all`).
     """
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
@@ -530,8 +533,16 @@ def write_report(
     if index.exists() and not force:
         raise UsageError(f"{index}: the file exists; pass --force to overwrite it.")
     extra = {"progress": progress} if progress is not None else {}
+    if pool is not None:
+        extra["pool"] = pool
     paths = render.render_all(
-        data, outdir, "png", target_fraction=target_fraction, force=force, dpi=dpi, **extra
+        data,
+        outdir,
+        "png",
+        target_fraction=target_fraction,
+        force=force,
+        dpi=dpi,
+        **extra,
     )
     images = {name: p.read_bytes() for name, p in paths.items()}
     page = render_html(
