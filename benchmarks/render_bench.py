@@ -5,6 +5,7 @@ Usage:
     python benchmarks/render_bench.py --log sample --rounds 5 --profile
     python benchmarks/render_bench.py --log path/to/log.parquet --fmt svg --out /tmp/figs
     python benchmarks/render_bench.py --trees /tmp/before . --rounds 3   # before/after
+    python benchmarks/render_bench.py --log 20m --pool      # alone vs with viz.pool's helper
 
 Drawing a figure costs the same for 20k tokens as for 20M: every figure is drawn from the
 aggregated `FigureData` (analysis.figure_data), never from tokens. Building that data takes
@@ -28,7 +29,8 @@ commit before), each in its own process with PYTHONPATH set to the tree, the tre
 alternating for `--repeat` rounds (default 3), every round's calls of a tree taken together
 (`--rebuild` builds the data once, with this process's mismatch_replay, for all trees): only
 timings taken side by side mean anything here. `--profile` runs one more call under cProfile
-and prints the 25 costliest calls (cumulative).
+and prints the 25 costliest calls (cumulative). `--pool`: the same figures alone and with
+`viz.pool.FigurePool`'s helper process, alternating, and the ratio of their best times.
 """
 
 from __future__ import annotations
@@ -103,6 +105,27 @@ def measure(data, out: Path, fmt: str, rounds: int, dpi: int) -> dict:
     }
 
 
+def measure_pool(data, out: Path, fmt: str, rounds: int, dpi: int) -> dict:
+    """render_all alone and with a `pool.FigurePool` (its helper draws masked_fraction and
+    masked_by_length), alternating for `rounds` rounds after one warm-up call of each (the
+    helper's imports, as a report pays them during its read): best wall seconds of each and
+    their ratio. `report` sends masked_fraction earlier still (while choose runs): not here."""
+    from mismatch_replay.viz import pool, render_all
+
+    plain, pooled = [], []
+    with pool.FigurePool() as helper:
+        render_all(data, out, fmt, force=True, dpi=dpi)
+        render_all(data, out, fmt, force=True, dpi=dpi, pool=helper)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            render_all(data, out, fmt, force=True, dpi=dpi)
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            render_all(data, out, fmt, force=True, dpi=dpi, pool=helper)
+            pooled.append(time.perf_counter() - t0)
+    return {"plain": plain, "pool": pooled, "ratio": min(pooled) / min(plain)}
+
+
 def line(name: str, r: dict, fmt: str, dpi: int) -> str:
     rounds = " ".join(f"{t:.3f}" for t in r["wall"])
     return (
@@ -161,6 +184,7 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--rebuild", action="store_true", help="build the FigureData again")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--pool", action="store_true", help="also with the helper process (pool.py)")
     ap.add_argument("--json", type=Path, help="write the timings here")
     ap.add_argument("--trees", nargs="+", type=Path, help="source trees to compare")
     ap.add_argument("--repeat", type=int, default=3, help="--trees: rounds over the trees")
@@ -178,6 +202,13 @@ def main() -> None:
                 out = (args.out / name) if args.out else Path(tmp) / name
                 results[name] = r = measure(data, out, args.fmt, args.rounds, args.dpi)
                 print(line(name, r, args.fmt, args.dpi))
+                if args.pool:
+                    r["pool"] = got = measure_pool(data, out, args.fmt, args.rounds, args.dpi)
+                    print(
+                        f"{name}: with the helper process {min(got['pool']):.3f} s against "
+                        f"{min(got['plain']):.3f} s alone (best of {args.rounds}): "
+                        f"{got['ratio']:.2f}x"
+                    )
                 if args.profile:
                     from mismatch_replay.viz import render_all
 
