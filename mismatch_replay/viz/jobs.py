@@ -8,7 +8,9 @@ assembly (`report.write_report`, with `report.decision_html` as its Decision sec
 `report` takes figure data, decisions and the inspect summary from `analysis.report_data`,
 which reads the log once for all of them (on the fused path; elsewhere the grouped
 tables take replays of their own), writes `sweep.csv` beside `index.html`, and drives one
-progress bar through every pass (`Stages`); `demo`
+progress bar through every pass (`Stages`); `plot` and `report` start a `pool.FigurePool`
+(a second process that draws masked_fraction and masked_by_length; `report` sends it
+masked_fraction as soon as the sweep is counted) where the machine has two cores; `demo`
 writes that summary as inspect.json. A log without sequence ids gets no masked_by_length
 figure: `plot` warns (`FigureNote`), the report says so in the figure's place. They live
 here rather than in the CLI so that a notebook gets the same result with one call, and the
