@@ -192,6 +192,16 @@ def _blocks(step, sid, pos, flag, blo, bhi):
         bhi[b] = hi
 
 
+@njit(inline="always")
+def _emit(o_step, o_sid, o_n, o_lo, o_hi, r, step, sid, rows, lo, hi):
+    """Run r's entries."""
+    o_step[r] = step
+    o_sid[r] = sid
+    o_n[r] = rows
+    o_lo[r] = lo
+    o_hi[r] = hi
+
+
 @njit(types.int64(_i64, _i64, _i64, types.int64, _oi, _oi, _oi, _oi, _oi), cache=True)
 def seq_runs(step, sid, pos, limit, o_step, o_sid, o_n, o_lo, o_hi):
     """The runs of rows of equal (step, sid): run r has step o_step[r] and sid o_sid[r] and
@@ -224,11 +234,7 @@ def seq_runs(step, sid, pos, limit, o_step, o_sid, o_n, o_lo, o_hi):
             if s != cs or d != ci:
                 if r >= limit:
                     return -1
-                o_step[r] = cs
-                o_sid[r] = ci
-                o_n[r] = k - start
-                o_lo[r] = lo
-                o_hi[r] = hi
+                _emit(o_step, o_sid, o_n, o_lo, o_hi, r, cs, ci, k - start, lo, hi)
                 r += 1
                 cs = s
                 ci = d
@@ -239,9 +245,5 @@ def seq_runs(step, sid, pos, limit, o_step, o_sid, o_n, o_lo, o_hi):
                 hi = max(hi, p)
     if r >= limit:
         return -1
-    o_step[r] = cs
-    o_sid[r] = ci
-    o_n[r] = n - start
-    o_lo[r] = lo
-    o_hi[r] = hi
+    _emit(o_step, o_sid, o_n, o_lo, o_hi, r, cs, ci, n - start, lo, hi)
     return r + 1
