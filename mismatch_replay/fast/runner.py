@@ -260,6 +260,9 @@ N_SUMS = 15  # metrics.MetricSums._SUMS order
 N_MAXES = 2
 PAD = 16  # rows between threads' copies of the per-batch arrays (>= one 64-byte line)
 ACCUM_BUDGET = 512 << 20  # bytes of per-thread bins before fewer threads keep their own
+# bytes of a batch's per-chunk bins (chunks x groups) up to which they are added up in chunk
+# order (`Fused`: the same float sums on every run); past it, per thread
+ORDERED_BUDGET = 16 << 20
 
 
 @dataclass
@@ -291,6 +294,7 @@ def _ro(a, dtype) -> np.ndarray:
     return a
 
 
+_BINS = ("cm", "sfrac", "wsum", "wsq", "wmax")  # Fused's accumulators, coord_pass's order
 _E1 = np.zeros(1, np.float64)
 _E2 = np.zeros((1, 1), np.float64)
 _EI1 = np.zeros(1, np.int64)
@@ -299,11 +303,21 @@ _EMPTY = np.iinfo(np.int64).max  # a sequence's lowest interval before it has on
 
 
 class Fused:
-    """Per-thread accumulators of one Tally's compiled jobs, and the per-batch call.
+    """The accumulators of one Tally's compiled jobs, and the per-batch call.
 
     The accumulators are per (group, coordinate, class, interval): count, |dp| mass, 1/n
     (prime-rl's per-sequence fractions) and, on l, the clamped ratio's sum, square sum and
     max (the weight rules'). `take()` turns them into per-slot bins (Program.expand).
+
+    A batch is cut into chunks at fixed token bounds, taken by whichever thread is free.
+    Float sums depend on the order of their additions, so where the chunks' bins are small
+    (chunks x groups x bins within ORDERED_BUDGET: an ungrouped replay, a few groups), each
+    chunk adds into bins of its own, zeroed per batch, which are then added up in chunk
+    order into one copy (`ordered`; a batch too small to split adds straight into it): the
+    masked mass, the weights' sums and the metric sums are the same on every run (for a
+    given thread count, which sets the chunks). Past the
+    budget (--by step on a long log) each thread keeps its own copy, and those sums may
+    differ in the last bit from run to run; counts never do.
     """
 
     MIN_CHUNK = 1 << 15  # tokens per thread below which a batch is not split
@@ -318,9 +332,10 @@ class Fused:
         ww = hw if program.weights else 1
         # count and |dp| mass side by side (a token's two additions share a cache line);
         # counts as float64 are exact up to 2**53 tokens
-        self.cm = np.zeros((self.t, 0, hw, 2))
-        self.sfrac = np.zeros((self.t, 0, hw if seqfrac else 1))
-        self.wsum = np.zeros((self.t, 0, ww))
+        self.ordered = True  # one copy, chunks added in order (the class docstring)
+        self.cm = np.zeros((1, 0, hw, 2))
+        self.sfrac = np.zeros((1, 0, hw if seqfrac else 1))
+        self.wsum = np.zeros((1, 0, ww))
         self.wsq = np.zeros_like(self.wsum)
         self.wmax = np.full_like(self.wsum, -math.inf)
         self.dirty = False
@@ -379,12 +394,19 @@ class Fused:
         if groups <= self.gcap:
             return
         cap = max(groups, 2 * self.gcap, 1)
+        row = 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
+        if self.ordered and self.t * self.CHUNKS_PER_THREAD * cap * row > ORDERED_BUDGET:
+            self.ordered = False  # per-thread copies from now on; copy 0 keeps the sums
+            for name, fill in (("cm", 0.0), ("sfrac", 0.0), ("wsum", 0.0), ("wsq", 0.0)):
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.full((self.t - 1, *a.shape[1:]), fill)]))
+            a = self.wmax
+            self.wmax = np.concatenate([a, np.full((self.t - 1, *a.shape[1:]), -math.inf)])
         # Each thread's sums take groups x (classes x intervals) x ~16-40 bytes: with --by
         # step on a long log and many cores that adds up, so past ACCUM_BUDGET fewer threads
         # keep sums (the others' are folded into thread 0 first; counts do not change).
-        row = 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
         keep = max(1, min(self.t, ACCUM_BUDGET // max(1, row * (cap + PAD))))
-        if keep < self.t:
+        if not self.ordered and keep < self.t:
             for name in ("cm", "sfrac", "wsum", "wsq"):
                 getattr(self, name)[0] += getattr(self, name)[keep:].sum(axis=0)
             np.maximum(self.wmax[0], self.wmax[keep:].max(axis=0), out=self.wmax[0])
@@ -455,19 +477,26 @@ class Fused:
         tcut = _ro(tail_cut, np.float64) if tail else _ro(_E2, np.float64)
         qb = q_edges is not None
         qe = _ro(q_edges, np.float64) if qb else _ro(_E1, np.float64)
-        qcnt = np.zeros((nt, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, then |dp| sums
+        # chunks taken by whichever thread is free (the reader and m2po's thread share the
+        # cores: fixed halves left one thread waiting for the other, ~20 ms a batch); float
+        # sums every chunk adds to (metrics, q buckets, ordered bins) are per chunk, then
+        # added up in chunk order: the same bits whichever thread took which chunk
+        nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
+        qcnt = np.zeros((nch, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, |dp| sums
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
-        msum = np.zeros((nt, gm + PAD, N_SUMS))
-        mmax = np.full((nt, gm + PAD, N_MAXES), -math.inf)
+        msum = np.zeros((nch, gm + PAD, N_SUMS))
+        mmax = np.full((nch, gm + PAD, N_MAXES), -math.inf)
         hl = self._zeros("hist_lin", (nt, bins * bins if scatter else 1), np.int64)
         hg = self._zeros("hist_log", hl.shape, np.int64)
+        # per sequence: per thread (a sequence's parts in two chunks add the same either way)
         sq_sum = np.zeros((nt, m + PAD, j.N_SEQ_SUMS))
         sq_mx = np.full((nt, m + PAD), -math.inf)
         sq_mn = np.full((nt, m + PAD), math.inf)
-        # chunks taken by whichever thread is free (the reader and m2po's thread share the
-        # cores: fixed halves left one thread waiting for the other, ~20 ms a batch)
-        nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
         sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
+        # ordered: each chunk's own bins (one chunk adds straight into the copy, token after
+        # token, as a batch did before: a small log's sums then do not depend on where its
+        # batches end)
+        acc = self._chunk_bins(nch, groups) if self.ordered and nch > 1 else None
         # m2po's inputs: into the store's slab, else the runner's own (overwritten next batch)
         if m2po and m2po_into is not None:
             m2x, m2m = m2po_into
@@ -542,17 +571,13 @@ class Fused:
                 p.lflag,
                 p.clamps,
                 consts,
-                self.cm[t],
-                self.sfrac[t],
-                self.wsum[t],
-                self.wsq[t],
-                self.wmax[t],
+                *(self._thread_bins(t) if acc is None else [a[c] for a in acc]),
                 smn[t],
                 smx[t],
                 tflag,
                 nflag[t],
-                msum[t],
-                mmax[t],
+                msum[c],
+                mmax[c],
                 hl[t],
                 hg[t],
                 sq_sum[t],
@@ -566,7 +591,7 @@ class Fused:
                 p.fixed_side,
                 tbits,
                 qe,
-                qcnt[t],
+                qcnt[c],
             )
 
         if nt == 1:
@@ -576,6 +601,12 @@ class Fused:
             errs = [call(0)] + [f.result() for f in futs]
         if any(errs):
             raise AssertionError("internal error: a rule produced NaN scores")
+        if acc is not None:  # the chunks' bins into the one copy, in chunk order
+            for name, a in zip(_BINS[:4], acc[:4], strict=True):
+                getattr(self, name)[0, :groups] += np.add.reduce(a[:, :groups], axis=0)
+            np.maximum(
+                self.wmax[0, :groups], acc[4][:, :groups].max(axis=0), out=self.wmax[0, :groups]
+            )
         first = sq_first[0, :m].copy()
         for c in range(1, nch):  # the first token in input order: the lowest chunk wins
             first = np.where(first < 0, sq_first[c, :m], first)
@@ -606,6 +637,22 @@ class Fused:
             q_counts=qcnt[:, : qe.shape[0]].sum(axis=0) if qb else None,
             q_mass=qcnt[:, qe.shape[0] : 2 * qe.shape[0]].sum(axis=0) if qb else None,
         )
+
+    def _thread_bins(self, t: int) -> list[np.ndarray]:
+        """Thread t's copy of the bins (per-thread mode)."""
+        return [getattr(self, name)[t] for name in _BINS]
+
+    def _chunk_bins(self, nch: int, groups: int) -> list[np.ndarray]:
+        """Per-chunk bins for one batch (ordered mode), zeroed (wmax: -inf), in _BINS
+        order: (chunks, groups, ...) each, reused batch after batch."""
+        out = []
+        for name in _BINS:
+            a = getattr(self, name)
+            b = self._zeros(f"chunk_{name}", (nch, max(groups, 1), *a.shape[2:]), a.dtype)
+            if name == "wmax":
+                b.fill(-math.inf)
+            out.append(b)
+        return out
 
     def take(self, groups: int) -> dict[str, np.ndarray]:
         """Sum the threads' accumulators (first `groups` rows), reset them, and return
