@@ -254,10 +254,12 @@ def test_threads_split_a_batch_without_changing_counts(tmp_path):
 
 @needs_numba
 def test_threads_folded_past_the_memory_budget_keep_counts(tmp_path, monkeypatch):
-    """With many groups, fewer threads keep their own bins (runner.ACCUM_BUDGET)."""
+    """With many groups, fewer threads keep their own bins (runner.ACCUM_BUDGET), where the
+    bins are per thread (ORDERED_BUDGET 0: the ordered mode keeps one copy anyway)."""
     rng = np.random.default_rng(12)
     path = write_log(tmp_path / "log.parquet", random_log(rng, steps=6, seqs=10, max_len=40))
     monkeypatch.setattr(fast.Fused, "MIN_CHUNK", 1)
+    monkeypatch.setattr(fast.runner, "ORDERED_BUDGET", 0)
     opts = ingest.ReadOptions(batch_rows=50)
     with env(MISMATCH_REPLAY_THREADS=3):
         base = engine.sweep([path], by="step", options=opts)

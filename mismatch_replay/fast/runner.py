@@ -310,14 +310,16 @@ class Fused:
     max (the weight rules'). `take()` turns them into per-slot bins (Program.expand).
 
     A batch is cut into chunks at fixed token bounds, taken by whichever thread is free.
-    Float sums depend on the order of their additions, so where the chunks' bins are small
-    (chunks x groups x bins within ORDERED_BUDGET: an ungrouped replay, a few groups), each
-    chunk adds into bins of its own, zeroed per batch, which are then added up in chunk
-    order into one copy (`ordered`; a batch too small to split adds straight into it): the
-    masked mass, the weights' sums and the metric sums are the same on every run (for a
-    given thread count, which sets the chunks). Past the
-    budget (--by step on a long log) each thread keeps its own copy, and those sums may
-    differ in the last bit from run to run; counts never do.
+    Float sums depend on the order of their additions, so each chunk adds into bins of its
+    own over the groups it holds (`_windows`: from its lowest group, which the chunk's
+    tokens see subtracted from theirs), zeroed per batch, and these are then added up in
+    chunk order into one copy (`ordered`; a batch too small to split adds straight into
+    it): the masked mass, the weights' sums and the metric sums are the same on every run
+    (for a given thread count, which sets the chunks). An ungrouped replay, a few groups, or
+    a log in step order by step (a chunk holds one or two steps) stays ordered; where a
+    batch's chunks would need more than ORDERED_BUDGET of bins (many groups in every chunk:
+    a log out of step order, by step), each thread keeps its own copy from then on, and
+    those sums may differ in the last bit from run to run; counts never do.
     """
 
     MIN_CHUNK = 1 << 15  # tokens per thread below which a batch is not split
@@ -394,14 +396,7 @@ class Fused:
         if groups <= self.gcap:
             return
         cap = max(groups, 2 * self.gcap, 1)
-        row = 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
-        if self.ordered and self.t * self.CHUNKS_PER_THREAD * cap * row > ORDERED_BUDGET:
-            self.ordered = False  # per-thread copies from now on; copy 0 keeps the sums
-            for name, fill in (("cm", 0.0), ("sfrac", 0.0), ("wsum", 0.0), ("wsq", 0.0)):
-                a = getattr(self, name)
-                setattr(self, name, np.concatenate([a, np.full((self.t - 1, *a.shape[1:]), fill)]))
-            a = self.wmax
-            self.wmax = np.concatenate([a, np.full((self.t - 1, *a.shape[1:]), -math.inf)])
+        row = self._row()
         # Each thread's sums take groups x (classes x intervals) x ~16-40 bytes: with --by
         # step on a long log and many cores that adds up, so past ACCUM_BUDGET fewer threads
         # keep sums (the others' are folded into thread 0 first; counts do not change).
@@ -482,10 +477,27 @@ class Fused:
         # sums every chunk adds to (metrics, q buckets, ordered bins) are per chunk, then
         # added up in chunk order: the same bits whichever thread took which chunk
         nch = nt * self.CHUNKS_PER_THREAD if nt > 1 else 1
+        bounds = np.linspace(0, n, nch + 1).astype(np.int64)
+        # ordered: each chunk adds into bins of its own over the groups it holds (goff: its
+        # lowest group; a chunk sees its tokens' groups less goff), added up afterwards in
+        # chunk order; one chunk adds straight into the copy, token after token, as a batch
+        # did before (a small log's sums then do not depend on where its batches end)
+        goff = None
+        span = gm
+        if self.ordered and nch > 1:
+            goff = self._windows(g, bounds, groups)
+            if goff is None:  # too many groups in a chunk: per-thread copies from now on
+                self._per_thread()
+            elif groups > 1:
+                g = np.asarray(g, np.int64) - np.repeat(goff, np.diff(bounds))
+                span = int(np.max(g)) + 1
+            else:
+                span = 1
         qcnt = np.zeros((nch, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, |dp| sums
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
-        msum = np.zeros((nch, gm + PAD, N_SUMS))
-        mmax = np.full((nch, gm + PAD, N_MAXES), -math.inf)
+        ms_rows = span if metrics else 1
+        msum = np.zeros((nch, ms_rows + PAD, N_SUMS))
+        mmax = np.full((nch, ms_rows + PAD, N_MAXES), -math.inf)
         hl = self._zeros("hist_lin", (nt, bins * bins if scatter else 1), np.int64)
         hg = self._zeros("hist_log", hl.shape, np.int64)
         # per sequence: per thread (a sequence's parts in two chunks add the same either way)
@@ -493,10 +505,7 @@ class Fused:
         sq_mx = np.full((nt, m + PAD), -math.inf)
         sq_mn = np.full((nt, m + PAD), math.inf)
         sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
-        # ordered: each chunk's own bins (one chunk adds straight into the copy, token after
-        # token, as a batch did before: a small log's sums then do not depend on where its
-        # batches end)
-        acc = self._chunk_bins(nch, groups) if self.ordered and nch > 1 else None
+        acc = self._chunk_bins(nch, span) if goff is not None else None
         # m2po's inputs: into the store's slab, else the runner's own (overwritten next batch)
         if m2po and m2po_into is not None:
             m2x, m2m = m2po_into
@@ -527,7 +536,6 @@ class Fused:
         sl = _ro(seq_local, np.int64) if has_seq else _ro(_EI1, np.int64)
         invn = _ro(inv_n, np.float64) if flags[3] else _ro(_E1, np.float64)
         ent = _ro(entropy, np.float64) if entropy is not None else _ro(_E1, np.float64)
-        bounds = np.linspace(0, n, nch + 1).astype(np.int64)
         chunks = itertools.count()  # next() is atomic under the GIL
 
         def call(t: int) -> int:
@@ -601,12 +609,23 @@ class Fused:
             errs = [call(0)] + [f.result() for f in futs]
         if any(errs):
             raise AssertionError("internal error: a rule produced NaN scores")
-        if acc is not None:  # the chunks' bins into the one copy, in chunk order
-            for name, a in zip(_BINS[:4], acc[:4], strict=True):
-                getattr(self, name)[0, :groups] += np.add.reduce(a[:, :groups], axis=0)
-            np.maximum(
-                self.wmax[0, :groups], acc[4][:, :groups].max(axis=0), out=self.wmax[0, :groups]
-            )
+        if goff is not None:  # the chunks' bins, metric sums, first groups: in chunk order
+            ms_g = np.zeros((gm, N_SUMS))
+            mx_g = np.full((gm, N_MAXES), -math.inf)
+            for c in range(nch):
+                a = int(goff[c])
+                r = min(span, groups - a)
+                for name, b in zip(_BINS[:4], acc[:4], strict=True):
+                    getattr(self, name)[0, a : a + r] += b[c, :r]
+                np.maximum(self.wmax[0, a : a + r], acc[4][c, :r], out=self.wmax[0, a : a + r])
+                if metrics:
+                    ms_g[a : a + r] += msum[c, :r]
+                    np.maximum(mx_g[a : a + r], mmax[c, :r], out=mx_g[a : a + r])
+                sq_first[c] = np.where(sq_first[c] >= 0, sq_first[c] + a, -1)
+            if not metrics:
+                ms_g, mx_g = msum[:, :1].sum(axis=0), mmax[:, :1].max(axis=0)
+        else:
+            ms_g, mx_g = msum[:, :gm].sum(axis=0), mmax[:, :gm].max(axis=0)
         first = sq_first[0, :m].copy()
         for c in range(1, nch):  # the first token in input order: the lowest chunk wins
             first = np.where(first < 0, sq_first[c, :m], first)
@@ -625,8 +644,8 @@ class Fused:
         return BatchOut(
             smax=smax,
             flagged=flagged,
-            msum=msum[:, :gm].sum(axis=0),
-            mmax=mmax[:, :gm].max(axis=0),
+            msum=ms_g,
+            mmax=mx_g,
             hist_lin=hl.sum(axis=0),
             hist_log=hg.sum(axis=0),
             seq=seq,
@@ -638,13 +657,40 @@ class Fused:
             q_mass=qcnt[:, qe.shape[0] : 2 * qe.shape[0]].sum(axis=0) if qb else None,
         )
 
+    def _row(self) -> int:
+        """Bytes of one group's bins."""
+        return 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
+
+    def _per_thread(self) -> None:
+        """From the one ordered copy to a copy per thread (copy 0 keeps the sums so far)."""
+        self.ordered = False
+        for name in _BINS:
+            a = getattr(self, name)
+            fill = -math.inf if name == "wmax" else 0.0
+            setattr(self, name, np.concatenate([a, np.full((self.t - 1, *a.shape[1:]), fill)]))
+
+    def _windows(self, g, bounds: np.ndarray, groups: int) -> np.ndarray | None:
+        """Each chunk's lowest group, where every chunk's groups fit ordered bins (the
+        chunks' bins then cover only lowest .. lowest + span - 1), else None."""
+        nch = bounds.shape[0] - 1
+        if groups <= 1:  # one group (an ungrouped replay): nothing to look at
+            lo, span = np.zeros(nch, np.int64), 1
+        else:
+            g = np.asarray(g, np.int64)
+            lo = np.minimum.reduceat(g, bounds[:-1])
+            span = int((np.maximum.reduceat(g, bounds[:-1]) - lo).max()) + 1
+        if nch * span * self._row() > ORDERED_BUDGET:
+            return None
+        return lo
+
     def _thread_bins(self, t: int) -> list[np.ndarray]:
         """Thread t's copy of the bins (per-thread mode)."""
         return [getattr(self, name)[t] for name in _BINS]
 
     def _chunk_bins(self, nch: int, groups: int) -> list[np.ndarray]:
         """Per-chunk bins for one batch (ordered mode), zeroed (wmax: -inf), in _BINS
-        order: (chunks, groups, ...) each, reused batch after batch."""
+        order: (chunks, groups, ...) each (groups: the widest chunk's), reused batch after
+        batch."""
         out = []
         for name in _BINS:
             a = getattr(self, name)
