@@ -106,13 +106,19 @@ def _orders():
     }
 
 
-def test_ordered_sums_do_not_depend_on_the_chunks_order(log, monkeypatch):
+def _in_each_order(monkeypatch, replay) -> dict:
+    """replay() with the chunks taken in each of `_orders()`, on 2 threads: name -> result."""
     got = {}
     for name, order in _orders().items():
         with monkeypatch.context() as m:
             _in_order(m, order)
             m.setattr(fast, "Fused", _two_threads(runner.Fused))
-            got[name] = _sums(log)
+            got[name] = replay()
+    return got
+
+
+def test_ordered_sums_do_not_depend_on_the_chunks_order(log, monkeypatch):
+    got = _in_each_order(monkeypatch, lambda: _sums(log))
     table, metrics = got["natural"]
     assert (table["masked_mass"] > 0).sum() > 1000  # sums that could differ
     for name, (t, mtr) in got.items():
@@ -124,12 +130,7 @@ def test_without_the_ordered_mode_the_order_shows(log, monkeypatch):
     """The same replays adding per thread (ORDERED_BUDGET 0): another chunk order gives
     other float sums, so the test above can fail."""
     monkeypatch.setattr(runner, "ORDERED_BUDGET", 0)
-    got = {}
-    for name, order in _orders().items():
-        with monkeypatch.context() as m:
-            _in_order(m, order)
-            m.setattr(fast, "Fused", _two_threads(runner.Fused))
-            got[name] = _sums(log)
+    got = _in_each_order(monkeypatch, lambda: _sums(log))
     table, _ = got["natural"]
     assert not _floats_equal(got["reversed"][0], table)
     for name, (t, _) in got.items():  # counts never depend on it
@@ -141,15 +142,13 @@ def test_without_the_ordered_mode_the_order_shows(log, monkeypatch):
 def test_grouped_sums_do_not_depend_on_the_chunks_order(log_env, monkeypatch, by):
     """By step (each chunk holds one or two steps) and by env (every chunk holds both): each
     chunk's bins cover only its own groups, added in chunk order."""
-    got = {}
-    for name, order in _orders().items():
-        with monkeypatch.context() as m:
-            _in_order(m, order)
-            m.setattr(fast, "Fused", _two_threads(runner.Fused))
-            t = engine.replay([log_env], by=by, final=True)
-            assert t._fused.ordered
-            res = t.result()
-            got[name] = res.table.sort(["rule", "setting", "param", "value", by])
+
+    def replay():
+        t = engine.replay([log_env], by=by, final=True)
+        assert t._fused.ordered
+        return t.result().table.sort(["rule", "setting", "param", "value", by])
+
+    got = _in_each_order(monkeypatch, replay)
     for name, table in got.items():
         assert _floats_equal(table, got["natural"]), name
 
