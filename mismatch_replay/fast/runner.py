@@ -485,14 +485,13 @@ class Fused:
         goff = None
         span = gm
         if self.ordered and nch > 1:
-            goff = self._windows(g, bounds, groups)
-            if goff is None:  # too many groups in a chunk: per-thread copies from now on
+            got = self._windows(g, bounds, groups)
+            if got is None:  # too many groups in a chunk: per-thread copies from now on
                 self._per_thread()
-            elif groups > 1:
-                g = np.asarray(g, np.int64) - np.repeat(goff, np.diff(bounds))
-                span = int(np.max(g)) + 1
             else:
-                span = 1
+                goff, span = got
+                if groups > 1:
+                    g = np.asarray(g, np.int64) - np.repeat(goff, np.diff(bounds))
         qcnt = np.zeros((nch, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, |dp| sums
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         ms_rows = span if metrics else 1
@@ -669,9 +668,10 @@ class Fused:
             fill = -math.inf if name == "wmax" else 0.0
             setattr(self, name, np.concatenate([a, np.full((self.t - 1, *a.shape[1:]), fill)]))
 
-    def _windows(self, g, bounds: np.ndarray, groups: int) -> np.ndarray | None:
-        """Each chunk's lowest group, where every chunk's groups fit ordered bins (the
-        chunks' bins then cover only lowest .. lowest + span - 1), else None."""
+    def _windows(self, g, bounds: np.ndarray, groups: int) -> tuple[np.ndarray, int] | None:
+        """(each chunk's lowest group, the widest chunk's number of groups), where every
+        chunk's groups fit ordered bins (the chunks' bins then cover only lowest .. lowest +
+        span - 1), else None."""
         nch = bounds.shape[0] - 1
         if groups <= 1:  # one group (an ungrouped replay): nothing to look at
             lo, span = np.zeros(nch, np.int64), 1
@@ -681,7 +681,7 @@ class Fused:
             span = int((np.maximum.reduceat(g, bounds[:-1]) - lo).max()) + 1
         if nch * span * self._row() > ORDERED_BUDGET:
             return None
-        return lo
+        return lo, span
 
     def _thread_bins(self, t: int) -> list[np.ndarray]:
         """Thread t's copy of the bins (per-thread mode)."""
