@@ -23,6 +23,8 @@ first pass over the log, so a refused call costs nothing.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -33,8 +35,7 @@ from ..analysis.figure_data import NO_LENGTH_NOTE
 from ..errors import UsageError
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
 from . import pool
-from . import report as page
-from .render import FIGURES, figures, render_all
+from .names import FIGURES
 
 SAMPLE = "sample_drift.parquet"
 SWEEP_CSV = "sweep.csv"  # the report's sweep table, beside index.html
@@ -81,12 +82,14 @@ def plot(
     if fmt not in ("png", "svg", "pdf"):
         raise UsageError(f"--image-format {fmt}: use png, svg or pdf.")
     _refuse_existing(outdir, [f"{n}.{fmt}" for n in FIGURES], force)
+    loading = _preload("render")
     with _pool(figure_process) as helper:  # starts now: its imports overlap the replays
         data = analysis.figure_data(sources, settings, options=options, progress=progress)
         if data.by_length is None:
             warnings.warn(NO_LENGTH_NOTE, FigureNote, stacklevel=2)
         ensure_dir(outdir)
-        return render_all(
+        render = _loaded(loading, "render")
+        return render.render_all(
             data, outdir, fmt, target_fraction=target_fraction, force=force, pool=helper
         )
 
@@ -119,6 +122,7 @@ def report(
     # the float32 check's 2, and drawing the figures
     passes = 2 + (2 if precision == "float32" else 0)
     bar = Stages(progress, passes)
+    loading = _preload("report")
     with _pool(figure_process) as helper:  # starts now: its imports overlap the read
         got: dict = {}
         data, dec = analysis.report_data(
@@ -130,8 +134,11 @@ def report(
             progress=bar,
             precision=precision,
             summary=got,
-            on_sweep=None if helper is None else lambda t: _early(helper, t, target_fraction),
+            on_sweep=None
+            if helper is None
+            else lambda t: _early(helper, _loaded(loading, "report"), t, target_fraction),
         )
+        page = _loaded(loading, "report")
         summary = got["summary"]
         sections = [("Decision", page.decision_html(dec))]
         if precision == "float32":
@@ -157,11 +164,34 @@ def report(
         )
 
 
-def _early(helper: pool.FigurePool, table, target_fraction: float) -> None:
+def _early(helper: pool.FigurePool, page, table, target_fraction: float) -> None:
     """masked_fraction sent to the helper as soon as its sweep table exists (write_report's
     PNG at its resolution: `render_all` picks it up)."""
     kw = {"target_fraction": target_fraction}
     helper.send("masked_fraction", pool.Part(sweep=table), "png", page.DPI, kw)
+
+
+def _preload(module: str) -> threading.Thread:
+    """Import this package's `module` (render; report, which imports render) in a thread:
+    matplotlib and the figure modules (~0.3 s, mostly holding the GIL) then load while the
+    log is read, whose kernels and Parquet decoding release it. `_loaded` takes the module."""
+    t = threading.Thread(
+        target=_import_quietly, args=(module,), name="mismatch-replay-import", daemon=True
+    )
+    t.start()
+    return t
+
+
+def _import_quietly(module: str) -> None:
+    # an import that fails here fails again in `_loaded`, where the caller sees it
+    with contextlib.suppress(Exception):
+        importlib.import_module(f"{__package__}.{module}")
+
+
+def _loaded(loading: threading.Thread, module: str):
+    """The module `_preload` imports (waiting for its thread)."""
+    loading.join()
+    return importlib.import_module(f"{__package__}.{module}")
 
 
 def _pool(figure_process: bool | None):
@@ -232,6 +262,8 @@ def demo(
         outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
     )
     out = {"inspect": inspect_json, "sweep": outdir / SWEEP_CSV, "report": index}
+    from .render import figures  # imported by report already
+
     out |= {n: outdir / f"{n}.png" for n in figures(keep["data"])}
     return out
 

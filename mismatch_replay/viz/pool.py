@@ -279,3 +279,7 @@ if __name__ == "__main__":
     channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints must not corrupt the channel
     serve(channel_in, channel_out)
+    # every reply is flushed and the helper holds nothing else: skip the interpreter's
+    # teardown (freeing matplotlib's and numpy's modules, ~0.1-0.2 s that `close` would wait)
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,84 @@
+"""engine.Tail keeps its tokens in buffers it grows while the replay runs (Tail._append):
+what `arrays()` gives must be every batch's kept rows, concatenated in input order, whatever
+the batch sizes, growths and calls in between."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mismatch_replay.engine import Tail
+
+
+def _batch(rng, n):
+    df = pl.DataFrame({"step": rng.integers(0, 5, n), "position": np.arange(n)})
+    lp = -rng.random(n)
+    lq = -rng.random(n)
+    adv = rng.normal(size=n)
+    seq = rng.integers(0, 1000, n)
+    return df, lp, lq, adv, seq
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    seed=st.integers(0, 2**32 - 1),
+    peek=st.booleans(),
+)
+def test_arrays_are_the_kept_rows_in_input_order(sizes, seed, peek):
+    rng = np.random.default_rng(seed)
+    tail = Tail(0.01, extra=("step", "position"))
+    want: dict[str, list] = {}
+    seen = 0
+    views = []
+    for n in sizes:
+        df, lp, lq, adv, seq = _batch(rng, n)
+        idx = np.flatnonzero(rng.random(n) < 0.3)
+        bits = rng.integers(0, 8, idx.size).astype(np.uint32)
+        tail.add(idx, bits, df, lp, lq, adv, seq)
+        if idx.size:
+            for k, v in {
+                "lp": lp[idx],
+                "lq": lq[idx],
+                "bits": bits,
+                "row": idx + seen,
+                "advantage": adv[idx],
+                "seq": seq[idx],
+                "step": df["step"].to_numpy()[idx],
+                "position": df["position"].to_numpy()[idx],
+            }.items():
+                want.setdefault(k, []).append(v)
+        seen += n
+        if peek:  # a consumer's view taken mid-way must not change under later batches
+            got = tail.arrays()
+            views.append(({k: v.copy() for k, v in got.items()}, got))
+    got = tail.arrays()
+    assert tail.tokens == seen
+    assert tail.kept == sum(len(v) for v in want.get("lp", []))
+    if not want:
+        assert got["lp"].size == 0
+        return
+    assert set(got) == set(want)
+    for k, parts in want.items():
+        expect = np.concatenate(parts)
+        assert got[k].dtype == expect.dtype, k
+        np.testing.assert_array_equal(got[k], expect, err_msg=k)
+    for copy, view in views:
+        for k in view:
+            np.testing.assert_array_equal(view[k], copy[k])
+
+
+def test_the_buffers_grow_by_doubling_and_stop_at_the_limit():
+    rng = np.random.default_rng(0)
+    tail = Tail(0.01, limit=2500, extra=())
+    caps = []
+    for _ in range(30):
+        df, lp, lq, adv, seq = _batch(rng, 100)
+        tail.add(np.arange(100), np.ones(100, np.uint32), df, lp, lq, adv, seq)
+        caps.append(tail._cap)
+    assert caps[0] == 400  # four batches' worth first
+    assert sorted(set(caps)) == [400, 800, 1600, 3200]
+    assert tail.off is not None and "2,500" in tail.off  # past the limit: nothing kept
+    assert tail.kept == 2500 and tail.parts == []
