@@ -2,8 +2,9 @@
 
 `render._png` runs the layout engine itself and hides it from savefig (which would draw the
 figure twice), `style.agg_canvas` shares parsed mathtext between renderers, and
-`render_all` keeps the objects that exist before it out of the garbage collector's passes.
-None of it may change a pixel, the file's metadata or the figure handed in.
+`render.encode` draws with the garbage collector paused and each axis's ticks computed once
+per pass (`style.gc_paused`, `style.steady_ticks`: tests/test_figure_cost.py). None of it
+may change a pixel, the file's metadata or the figure handed in.
 """
 
 from __future__ import annotations

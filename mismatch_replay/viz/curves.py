@@ -42,7 +42,16 @@ from matplotlib.figure import Figure
 from ..errors import UsageError
 from ..rules import REGISTRY, Rule
 from .labels import Label, place_labels
-from .style import LABEL, NOTE, SMALL, display_name, fmt_g, light_log_ticks, rule_color
+from .style import (
+    LABEL,
+    NOTE,
+    SMALL,
+    display_name,
+    fmt_g,
+    gc_paused,
+    light_log_ticks,
+    rule_color,
+)
 from .tables import preset_points, sweep_lines, ungrouped
 
 
@@ -145,6 +154,7 @@ def _rule_names(rules) -> list[str] | None:
     return sorted({n.split(":")[0].split("@")[0].strip() for n in names})
 
 
+@gc_paused()
 def masked_fraction(
     table: pl.DataFrame,
     ax: Axes | Sequence[Axes] | None = None,

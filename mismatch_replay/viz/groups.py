@@ -40,6 +40,7 @@ from .style import (
     fig_ax,
     fmt_g,
     fraction_column,
+    gc_paused,
     settings_of,
     spec_label,
     style_for,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from ..analysis import FigureData
 
 
+@gc_paused()
 def steps(
     data: FigureData, ax: Sequence[Axes] | None = None, *, colors: dict[str, str] | None = None
 ) -> Figure:
@@ -165,6 +167,7 @@ def bucket_labels(edges: Sequence[float] = Q_BUCKET_EDGES) -> list[str]:
     return out
 
 
+@gc_paused()
 def where_masked(
     data: FigureData, ax: Axes | None = None, *, colors: dict[str, str] | None = None
 ) -> Figure:
@@ -248,6 +251,7 @@ def where_masked(
 # ----------------------------------------------------------------------------- by length
 
 
+@gc_paused()
 def masked_by_length(
     table: pl.DataFrame,
     ax: Axes | None = None,

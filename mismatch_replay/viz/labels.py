@@ -6,7 +6,8 @@ Design
 A figure collects `Label`s while it draws (the point, in data coordinates, and its text) and
 calls `place_labels` last, once: the layout is run first, and only the layout (the figure's
 layout engine, on the Agg canvas savefig's PNG draws with: `style.agg_canvas`; constrained
-layout measures the panels' decorations itself, nothing is drawn), so the search works on
+layout measures the panels' decorations itself, each axis's ticks computed once per pass:
+`style.steady_ticks`; nothing is drawn), so the search works on
 the final display coordinates and text sizes; the labels are then kept out of the layout, so
 placing them moves no panel (a figure that made its own Figure may then switch its layout
 engine off, as masked_fraction does: saving it does not lay it out again). Each label may go
@@ -41,7 +42,7 @@ from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.text import Text
 
-from .style import agg_canvas
+from .style import agg_canvas, steady_ticks
 
 # where a label may go: rings of offsets (points) around its point, nearest first
 _RADII = (6.0, 11.0, 17.0, 25.0, 35.0, 48.0, 64.0)
@@ -89,7 +90,7 @@ def _renderer(fig: Figure, axes: Sequence[Axes]):
     engine = root.get_layout_engine()
     if root.axes and engine is not None:
         # as Figure.draw: a figure too small to lay out is drawn as it is
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError), steady_ticks(root):
             engine.execute(root)
     renderer = root._get_renderer()  # the layout's own (Agg keeps one per size and dpi)
     for ax in axes:

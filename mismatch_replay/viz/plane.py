@@ -8,7 +8,8 @@ histograms counted during the replay, so a figure of 1.8M tokens costs what one 
 from the tokens: IPO the band p = q +- eps; IcePop and token-MIS the cone p = low q,
 p = high q (straight lines on log-log axes); DPPO-TV and IPO-v1 the one-sided lines
 p = q + high, p = q - low; KPop the level set max(BKL(p||q), BKL(q||p)) = phi on a 300^2
-grid. Other rules have no boundary in this plane and are refused by name.
+grid. Other rules have no boundary in this plane and are refused by name. The colour bar's
+log ticks stop at its counts (`style.in_view`: no Tick objects for the decades beyond).
 
 `scatter` draws one panel (linear or log10 axes) with its legend below; `scatter_panels`
 the linear and log-log panels side by side with one shared legend (scatter.png). Both take
@@ -32,7 +33,19 @@ from matplotlib.lines import Line2D
 
 from ..errors import UsageError
 from ..rules import REGISTRY, Rule, binary_kl
-from .style import LABEL, NOTE, SMALL, STYLES, display_name, draw_line, fig_ax, fmt_g, rule_color
+from .style import (
+    LABEL,
+    NOTE,
+    SMALL,
+    STYLES,
+    display_name,
+    draw_line,
+    fig_ax,
+    fmt_g,
+    gc_paused,
+    in_view,
+    rule_color,
+)
 
 if TYPE_CHECKING:
     from ..analysis import FigureData
@@ -140,6 +153,7 @@ def _kpop_contour(ax: Axes, rule: Rule, log: bool, style: str, colors) -> Line2D
     return Line2D([], [], color=color, lw=1.6, ls=style)
 
 
+@gc_paused()
 def scatter(
     data: FigureData,
     ax: Axes | None = None,
@@ -194,6 +208,8 @@ def _scatter(data, ax, log, ipo_eps, icepop, extra, colorbar, colors) -> tuple[l
     )
     if colorbar:
         cb = fig.colorbar(im, ax=ax, shrink=0.8, pad=0.02)
+        # a log colour scale's decades beyond the counts: no Tick objects for them
+        cb.locator, cb.minorlocator = in_view(cb.locator), in_view(cb.minorlocator)
         cb.set_label("tokens per bin", fontsize=SMALL + 0.5)
         cb.ax.tick_params(labelsize=SMALL)
     # under the density (zorder < image): visible where there are no tokens, never over them
@@ -280,6 +296,7 @@ def _scatter(data, ax, log, ipo_eps, icepop, extra, colorbar, colors) -> tuple[l
     return handles, labels
 
 
+@gc_paused()
 def scatter_panels(
     data: FigureData,
     axes: Sequence[Axes] | None = None,

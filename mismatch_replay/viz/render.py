@@ -20,6 +20,8 @@ draw. A PNG is therefore laid out once and drawn once (`_png`: savefig alone wou
 twice, once only to lay it out), on the Agg canvas whose renderers share parsed mathtext
 (`style.agg_canvas`), at zlib level PNG_COMPRESS_LEVEL (the pixels are savefig's own). SVG
 and PDF go through plain savefig: their layout must be measured with their own renderers.
+Every format is encoded with the garbage collector paused and each axis's ticks computed
+once per layout pass and draw (`style.gc_paused`, `style.steady_ticks`): the same pixels.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from ..errors import UsageError
 from ..output import atomic_write, ensure_dir
 from .curves import masked_fraction
 from .groups import masked_by_length, steps, where_masked
+from .names import FIGURES, FORMATS  # noqa: F401  (FIGURES re-exported: render.FIGURES)
 from .plane import scatter_panels
-from .style import AggCanvas, agg_canvas
+from .style import AggCanvas, agg_canvas, gc_paused, steady_ticks
 
 if TYPE_CHECKING:
     from ..analysis import FigureData
@@ -55,8 +58,6 @@ class Helper(Protocol):
     def result(self, name: str) -> bytes | None: ...  # None: draw it here
 
 
-FIGURES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
-FORMATS = ("png", "svg", "pdf")
 # zlib level of the PNGs: 3 encodes in 0.7x the time of the default 6, the files 3-10%
 # larger, the pixels the same
 PNG_COMPRESS_LEVEL = 3
@@ -108,10 +109,11 @@ def encode(fig: Figure, fmt: str, dpi: int = 150) -> bytes:
         "pdf": {"CreationDate": None},
     }[fmt]
     out = io.BytesIO()
-    if fmt == "png":
-        _png(fig, out, dpi, meta)
-    else:
-        fig.savefig(out, format=fmt, dpi=dpi, metadata=meta)
+    with gc_paused(), steady_ticks(fig):
+        if fmt == "png":
+            _png(fig, out, dpi, meta)
+        else:
+            fig.savefig(out, format=fmt, dpi=dpi, metadata=meta)
     return out.getvalue()
 
 
