@@ -1,7 +1,7 @@
 """What the figures skip of matplotlib's repeated work, and that skipping changes no pixel.
 
 `style.steady_ticks` computes each axis's ticks once per state during a layout or a draw,
-`style.gc_paused` keeps the collector's passes out of building and drawing a figure, and
+`gcpause.paused` keeps the collector's passes out of building and drawing a figure, and
 `style.in_view` trims a colour bar's log locators to its counts.
 """
 
@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator
 from PIL import Image
 
+from mismatch_replay import gcpause
 from mismatch_replay.viz import groups, style
 
 DPI = 40
@@ -82,20 +83,20 @@ def test_steady_ticks_follows_a_new_view(computed):
 
 def test_gc_paused_restores_the_collector():
     assert gc.isenabled()
-    with style.gc_paused():
+    with gcpause.paused():
         assert not gc.isenabled()
-        with style.gc_paused():
+        with gcpause.paused():
             assert not gc.isenabled()
         assert not gc.isenabled()  # the outer pause holds
     assert gc.isenabled()
     gc.disable()
     try:
-        with style.gc_paused():
+        with gcpause.paused():
             pass
         assert not gc.isenabled()  # off before: left off
     finally:
         gc.enable()
-    with pytest.raises(RuntimeError), style.gc_paused():
+    with pytest.raises(RuntimeError), gcpause.paused():
         raise RuntimeError
     assert gc.isenabled()
 

@@ -10,7 +10,9 @@ step column rule out more of their rows (`Tally.seal_m2po`, in a thread beside t
 replay). match="prime-rl" and --by length cost a pre-pass that numbers the sequences and
 counts their loss tokens (`stream.count_sequences`). `replay_together` streams one read
 into several Tallies; those with sequences take the first one's sequence codes of each
-batch (`Sequences.lead`) instead of numbering the same rows again. engine="ray" computes
+batch (`Sequences.lead`) instead of numbering the same rows again, and one that needs only
+metrics and sequence sums (the report's per-step Tally) takes them from the first one's
+kernel pass (`Tally.lead_metrics`) instead of a pass of its own. engine="ray" computes
 the same Tally per shard on a Ray cluster and adds them up (ray.py). The timings of the
 default sweep are in benchmarks/README.md.
 """
@@ -207,6 +209,12 @@ def _stream(plan, parts, progress, final: bool, observers) -> list[int]:
     seqs = [t.sequences for t, _, keep in parts if t.has_seq and keep is None]
     if len(seqs) > 1:
         seqs[0].lead(seqs[1:])
+    # a Tally that needs only metrics and sequence sums (the report's per-step one) takes
+    # them from the first one's kernel pass (Tally.lead_metrics), the first such Tally
+    lead, lead_cols, lead_keep = parts[0]
+    for t, tcols, keep in parts[1:] if lead_keep is None else []:
+        if keep is None and lead.lead_metrics(t, lead_cols, tcols):
+            break
     try:
         checked = False
         batches = ((df, report.rows) for _, df in iter_batches(plan, cols, report))
@@ -235,6 +243,7 @@ def _stream(plan, parts, progress, final: bool, observers) -> list[int]:
     finally:  # unlinked however the read ends
         if len(seqs) > 1:
             seqs[0].lead([])
+        lead.lead_metrics(None)
     for tally, _, _ in parts:
         if tally.report is not report:  # the read's counts, as a read of its own would give
             tally.report = dataclasses.replace(

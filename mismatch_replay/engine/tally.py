@@ -19,6 +19,10 @@ then reports the sequences it touches). Its parts, each with one owner:
   `tail` (tail.py, fused path only), the tokens beyond per-coordinate cutoffs, kept for
   exact counts at thresholds chosen after the pass.
 
+One read, several Tallies (engine.replay_together): a Tally that needs no kernel pass of
+its own (the report's per-step one) takes its metrics and sequence sums from the first
+Tally's pass, bit for bit what its own pass would give (lead.py: `Leading`, a mixin).
+
 Bins counted elsewhere come in two ways, both from a replay's kept tokens
 (analysis/tail_counts.py): `set_bins` makes an unfed Tally one with those groups and bins
 (the report's per-bucket and by-length tables), `attach` adds token jobs to a replayed one
@@ -73,6 +77,7 @@ from .bins import (
     seq_count,
 )
 from .jobs import Job
+from .lead import Leading
 from .m2po import M2POStore, M2POTally
 from .readout import sweep_table
 from .robust import add_robust
@@ -99,7 +104,7 @@ class SweepResult:
 
 
 @dataclass
-class Tally:
+class Tally(Leading):
     """Additive summary of one pass over a log: enough to answer every sweep question."""
 
     jobs: list[Job]
@@ -166,6 +171,7 @@ class Tally:
         self._scratch: dict[str, np.ndarray] = {}
         self._prompt_cache: tuple[int, tuple | None] | None = None
         self._external = False  # set_bins: the bins were counted elsewhere
+        self._init_leading()  # one read's Tallies: lead.py
         self.version = 0  # bumped by every change (m2po's bins and the layout cache on it)
         if any(j.rule.precision == "float32" for j in self.jobs):
             self.precision = "float32"
@@ -340,6 +346,10 @@ class Tally:
 
     def add_batch(self, df: pl.DataFrame) -> None:
         """Add a batch of canonical rows (loss tokens only) to every part."""
+        self._batches += 1
+        staged = self._staged
+        if staged is not None and (staged[0] != self._batches or staged[1] != df.height):
+            staged = self._staged = None  # not this batch's
         lp = df["trainer_logprob"].to_numpy()
         lq = df["inference_logprob"].to_numpy()
         adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
@@ -358,7 +368,7 @@ class Tally:
             seq = self.sequences.codes(df, slab.arrays[3][: len(lp)] if slab else None)
         if self.has_pgroup and seq is not None:
             self.sequences.add_pgroups(df)
-        g = self._group_codes(df, seq)
+        g = staged[2] if staged is not None else self._group_codes(df, seq)
         G = len(self.groups)
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
         self.version += 1
@@ -377,25 +387,37 @@ class Tally:
         lin_w = 1.0 / SCATTER_BINS
         log_w = (0.0 - SCATTER_LOG10_MIN) / SCATTER_BINS
         into = None if slab is None else (slab.arrays[0][: len(lp)], slab.arrays[1][: len(lp)])
-        out = fused.run(
-            lp,
-            lq,
-            adv,
-            g,
-            G,
-            seq[1][1] if seq is not None else None,
-            seq[1][0].shape[0] if seq is not None else 0,
-            inv_tok,
-            ent,
-            m2po=has_m2po,
-            m2po_into=into,
-            scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
-            log_clamp=LOG_CLAMP,
-            tail_cut=tail_cut,
-            q_edges=_Q_EDGES if self.tail is not None and self.tail.count_q else None,
-            scatter=self.scatter,
-            clamped_seq=self.clamped_seq,
-        )
+        out = self._shared_out(seq) if staged is not None else None
+        self._staged = None
+        self.led_batches += out is not None
+        follow = None
+        if out is None and self._follower is not None:  # a follower's metrics in this pass
+            fused._grow(G)
+            follow = self._follower._stage(df, fused)
+        if out is None:
+            out = fused.run(
+                lp,
+                lq,
+                adv,
+                g,
+                G,
+                seq[1][1] if seq is not None else None,
+                seq[1][0].shape[0] if seq is not None else 0,
+                inv_tok,
+                ent,
+                m2po=has_m2po,
+                m2po_into=into,
+                scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
+                log_clamp=LOG_CLAMP,
+                tail_cut=tail_cut,
+                q_edges=_Q_EDGES if self.tail is not None and self.tail.count_q else None,
+                scatter=self.scatter,
+                clamped_seq=self.clamped_seq,
+                follow=follow,
+            )
+        if follow is not None:  # for the follower's add_batch of this batch
+            f = self._follower
+            f._staged = (*f._staged[:3], (out.follow, out.seq, seq))
         if self.tail is not None:
             idx, bits = out.tail if out.tail is not None else (_NONE, _NONE.astype(np.uint32))
             self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None)
@@ -528,6 +550,7 @@ class Tally:
         state["_fused"] = None
         state["_scratch"] = {}  # per-batch buffers: nothing to ship
         state["_prompt_cache"] = None
+        state["_follower"] = state["_leader"] = state["_staged"] = None
         return state
 
     def _boot_units(self, df: pl.DataFrame, seq):

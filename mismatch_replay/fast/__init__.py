@@ -1,7 +1,7 @@
 """The fused path: every token rule, the metrics, the scatter and the sequence sums in one loop.
 
 The engine's simple path (engine/, numpy, rule by rule) runs each rule's `score()` and bins
-it; it is the reference. This package is the fast path, in five modules:
+it; it is the reference. This package is the fast path, in six modules:
 
 * `coordinates`: the four per-token values the kernel bins (dp, l, and the binary KLs at
   each clamp), and for each quantity a rule can declare a threshold on (`Rule.quantities`)
@@ -12,10 +12,13 @@ it; it is the reference. This package is the fast path, in five modules:
 * `runner`: the backend switch (`backend`, `use_backend`, MISMATCH_REPLAY_KERNEL), the
   threads, the per-batch call (`Fused.run` -> `BatchOut`) and m2po's per-step kernel;
 * `jit`: the numba kernels (one fused loop over a batch's tokens, m2po's step);
+* `jit_rows`: the small row-by-row kernels beside them (sequence runs, column checks, the
+  bootstrap's weights and replicate sums, q-bucket codes), re-exported by `jit`;
 * `vmath`: the call-free exp/expm1/log they use, bit-identical to `pmath`'s.
 
-Only `runner.compiled()` imports numba (on first use; `jit` and `vmath` need it). Counts are
-exactly the simple path's: tokens the kernel cannot settle take the simple path.
+Only `runner.compiled()` imports numba (on first use; `jit`, `jit_rows` and `vmath` need
+it). Counts are exactly the simple path's: tokens the kernel cannot settle take the simple
+path.
 """
 
 from __future__ import annotations

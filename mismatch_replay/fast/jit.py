@@ -21,12 +21,21 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .jit_rows import (  # noqa: F401  (re-exported: compiled() hands out one module)
+    add_replicates,
+    check_column,
+    poisson_weights_t,
+    q_bucket_codes,
+    seq_runs,
+    take_runs,
+)
 from .vmath import vexp, vexpm1, vlog
 
 INF = math.inf
 
-# flags
+# flags (F_METRICS2, F_ENT2: a follower Tally's metrics, runner.Fused.run's `follow`)
 F_ADV, F_SEQ, F_ENT, F_INVN, F_METRICS, F_SCATTER, F_M2PO, F_W, F_TAIL, F_QB, F_CSEQ = range(11)
+F_METRICS2, F_ENT2 = 11, 12
 # coordinates (coordinates.COORDINATES gives their names and codes)
 C_DP, C_L, C_KPOP, C_BKL_QP = range(4)
 
@@ -156,13 +165,101 @@ N_CLAMPED_SUMS = 2
 N_SEQ_SUMS = len(SEQ_SUMS)
 SEQ_MAX = "max_k2"  # sq_mx
 SEQ_MIN = "min_l"  # sq_mn
-N_FSCRATCH = 13  # float64 scratch rows of coord_pass
+N_FSCRATCH = 14  # float64 scratch rows of coord_pass (the last: a run's metric sums)
 N_USCRATCH = 5  # uint64 scratch rows
 
 
 @njit(inline="always")
 def _flat(a):
     return a.reshape(a.size)
+
+
+@njit(inline="always")
+def _run_sums(start, ra, rb, b_l, b_p, b_q, b_k3c, b_adp, b_rc, ent, has_ent, clampv, out):
+    """The metric sums of block tokens ra..rb-1 (one run of a group), each added in token
+    order in a register, into out[0:17]: the 15 sums in MetricSums._SUMS order (count
+    first; the entropy ones 0.0 unless has_ent), then the largest k3 and |dp|."""
+    s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = s12 = 0.0
+    s13 = s14 = 0.0
+    bk3 = -INF
+    bdp = -INF
+    for t in range(ra, rb):
+        l = b_l[t]  # noqa: E741
+        p = b_p[t]
+        q = b_q[t]
+        # k3 unclamped, as prime-rl's mismatch_kl and verl's k3_kl compute it
+        k3c = b_k3c[t] if abs(l) <= clampv else vexpm1(l) - l
+        adp = b_adp[t]
+        rc = b_rc[t]
+        s1 += -l
+        s2 += 0.5 * l * l
+        s3 += k3c
+        s4 += k3c * k3c
+        s5 += adp
+        s6 += adp * adp
+        s7 += p
+        s8 += q
+        s9 += p * p
+        s10 += q * q
+        s11 += p * q
+        s12 += rc * rc
+        bk3 = max(bk3, k3c)
+        bdp = max(bdp, adp)
+    if has_ent:
+        for t in range(ra, rb):
+            e = ent[start + t]
+            if math.isfinite(e):
+                s13 += e
+                s14 += 1.0
+    out[0] = rb - ra
+    out[1] = s1
+    out[2] = s2
+    out[3] = s3
+    out[4] = s4
+    out[5] = s5
+    out[6] = s6
+    out[7] = s7
+    out[8] = s8
+    out[9] = s9
+    out[10] = s10
+    out[11] = s11
+    out[12] = s12
+    out[13] = s13
+    out[14] = s14
+    out[15] = bk3
+    out[16] = bdp
+
+
+@njit(inline="always")
+def _add_run(run, row, msumf, mmaxf, with_ent):
+    """A run's sums (`_run_sums`) into group `row` of msum (flat, 15 a row) and its maxima
+    into mmax (2 a row); the entropy sums only `with_ent` (else they stay as they are: the
+    0.0 a pass without entropy adds)."""
+    mo = np.uint64(row) * np.uint64(15)
+    for k in range(13):
+        msumf[mo + np.uint64(k)] += run[k]
+    if with_ent:
+        msumf[mo + np.uint64(13)] += run[13]
+        msumf[mo + np.uint64(14)] += run[14]
+    # maxima: the per-token values are the simple path's bits (pmath), so as they are
+    xo = np.uint64(row) * np.uint64(2)
+    mmaxf[xo] = max(mmaxf[xo], run[15])
+    mmaxf[xo + _U1] = max(mmaxf[xo + _U1], run[16])
+
+
+@njit(inline="always")
+def _is_run(a, start, ra, rb, nb):
+    """Whether block tokens ra..rb-1 are a whole run of equal a within the block (tokens
+    start..start+nb-1): a is constant there and differs on either side inside the block."""
+    if ra > 0 and a[start + ra - 1] == a[start + ra]:
+        return False
+    if rb < nb and a[start + rb] == a[start + rb - 1]:
+        return False
+    a0 = a[start + ra]
+    t = ra + 1
+    while t < rb and a[start + t] == a0:
+        t += 1
+    return t == rb
 
 
 @njit(nogil=True, cache=True, error_model="numpy", _nrt=False)
@@ -211,6 +308,10 @@ def coord_pass(
     nflag,
     msum,
     mmax,
+    g2,
+    g2off,
+    msum2,
+    mmax2,
     hlin,
     hlog,
     sq_sum,
@@ -247,6 +348,10 @@ def coord_pass(
     With flags[F_QB], qcnt[k] counts the tokens whose q falls in [qedges[k], qedges[k + 1])
     (np.searchsorted(qedges, q, "right") - 1; qedges[0] = 0) and qcnt[K + k] sums their
     |dp| (K = len(qedges)).
+    With flags[F_METRICS2], the metrics are also summed per run of one g2 group into
+    msum2 and mmax2 at row g2 - g2off (a follower Tally's groups: runner.Fused.run's
+    `follow`), the entropy sums only with flags[F_ENT2]. sq_first[s] = the batch index of
+    sequence s's first token in lo..hi-1 (-1: none).
     """
     has_adv = flags[F_ADV] != 0
     has_seq = flags[F_SEQ] != 0
@@ -259,6 +364,8 @@ def coord_pass(
     do_tail = flags[F_TAIL] != 0
     do_qb = flags[F_QB] != 0
     do_cseq = flags[F_CSEQ] != 0
+    do_m2 = flags[F_METRICS2] != 0
+    has_ent2 = flags[F_ENT2] != 0
     nqe = qedges.shape[0]
     ncoord = ckind.shape[0]
     nclamp = clamps.shape[0]
@@ -276,6 +383,8 @@ def coord_pass(
     smxf = _flat(smx)
     msumf = _flat(msum)
     mmaxf = _flat(mmax)
+    msum2f = _flat(msum2)
+    mmax2f = _flat(mmax2)
     sqf = _flat(sq_sum)
     B = BLOCK
     # scratch rows from the caller (no allocation here: the kernel is compiled without
@@ -294,6 +403,7 @@ def coord_pass(
     sy = fs[10]
     tx = fs[11]
     ty = fs[12]
+    b_run = fs[13]  # a run's metric sums (_run_sums)
     b_cls = us[0]  # advantage class: 0 a == 0, 1 a > 0, 2 a < 0 (zeros from the caller)
     b_lc = us[1]  # the same for l
     b_gw = us[2]  # group * HW
@@ -369,65 +479,33 @@ def coord_pass(
             if do_m2po:
                 m2x[i] = l * l
                 m2m[i] = b_adp[t]
-        # metrics: each run of one group (usually the whole block) summed in registers
+        # metrics: each run of one group (usually the whole block) summed in registers;
+        # with flags[F_METRICS2] also each run of one g2 group, into msum2 and mmax2 (a
+        # follower Tally's groups: the sums its own pass would make, bit for bit). A run
+        # that is a run of both (a block inside one step of an ungrouped replay) is summed
+        # once for both.
         ra = 0
         while do_metrics and ra < nb:
             g0 = g[start + ra]
             rb = ra + 1
             while rb < nb and g[start + rb] == g0:
                 rb += 1
-            s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = s10 = s11 = s12 = 0.0
-            s13 = s14 = 0.0
-            bk3 = -INF
-            bdp = -INF
-            for t in range(ra, rb):
-                l = b_l[t]  # noqa: E741
-                p = b_p[t]
-                q = b_q[t]
-                # k3 unclamped, as prime-rl's mismatch_kl and verl's k3_kl compute it
-                k3c = b_k3c[t] if abs(l) <= clampv else vexpm1(l) - l
-                adp = b_adp[t]
-                rc = b_rc[t]
-                s1 += -l
-                s2 += 0.5 * l * l
-                s3 += k3c
-                s4 += k3c * k3c
-                s5 += adp
-                s6 += adp * adp
-                s7 += p
-                s8 += q
-                s9 += p * p
-                s10 += q * q
-                s11 += p * q
-                s12 += rc * rc
-                bk3 = max(bk3, k3c)
-                bdp = max(bdp, adp)
-            if has_ent:
-                for t in range(ra, rb):
-                    e = ent[start + t]
-                    if math.isfinite(e):
-                        s13 += e
-                        s14 += 1.0
-            mo = np.uint64(g0) * np.uint64(15)
-            msumf[mo] += rb - ra
-            msumf[mo + np.uint64(1)] += s1
-            msumf[mo + np.uint64(2)] += s2
-            msumf[mo + np.uint64(3)] += s3
-            msumf[mo + np.uint64(4)] += s4
-            msumf[mo + np.uint64(5)] += s5
-            msumf[mo + np.uint64(6)] += s6
-            msumf[mo + np.uint64(7)] += s7
-            msumf[mo + np.uint64(8)] += s8
-            msumf[mo + np.uint64(9)] += s9
-            msumf[mo + np.uint64(10)] += s10
-            msumf[mo + np.uint64(11)] += s11
-            msumf[mo + np.uint64(12)] += s12
-            msumf[mo + np.uint64(13)] += s13
-            msumf[mo + np.uint64(14)] += s14
-            # maxima: the per-token values are the simple path's bits (pmath), so as they are
-            xo = np.uint64(g0) * np.uint64(2)
-            mmaxf[xo] = max(mmaxf[xo], bk3)
-            mmaxf[xo + _U1] = max(mmaxf[xo + _U1], bdp)
+            _run_sums(start, ra, rb, b_l, b_p, b_q, b_k3c, b_adp, b_rc, ent, has_ent, clampv, b_run)
+            _add_run(b_run, g0, msumf, mmaxf, True)
+            if do_m2 and _is_run(g2, start, ra, rb, nb):
+                _add_run(b_run, g2[start + ra] - g2off, msum2f, mmax2f, has_ent2)
+            ra = rb
+        ra = 0
+        while do_m2 and ra < nb:
+            h0 = g2[start + ra]
+            rb = ra + 1
+            while rb < nb and g2[start + rb] == h0:
+                rb += 1
+            if not (do_metrics and _is_run(g, start, ra, rb, nb)):
+                _run_sums(
+                    start, ra, rb, b_l, b_p, b_q, b_k3c, b_adp, b_rc, ent, has_ent2, clampv, b_run
+                )
+                _add_run(b_run, h0 - g2off, msum2f, mmax2f, True)
             ra = rb
         if has_seq:  # sequences are runs of tokens: their sums stay in registers
             cs = np.uint64(sl[start])
@@ -455,8 +533,8 @@ def coord_pass(
                     rmx = -INF
                     rmn = INF
                 i = start + t
-                if sq_first[so] < 0:
-                    sq_first[so] = g[i]
+                if sq_first[so] < 0:  # the sequence's first token (the caller: its groups)
+                    sq_first[so] = i
                 l = b_l[t]  # noqa: E741
                 if abs(l) <= clampv:
                     k3 = b_k3c[t]
@@ -735,109 +813,3 @@ def m2po_ties(xs, x, ties, order, brank, g, mass, seq, invn, cnt, msum, sfrac, s
                 b = mid
         bi = brank[a + run]
         _m2po_add(i, bi, g, mass, seq, invn, cnt, msum, sfrac, smax, has_invn)
-
-
-@njit(nogil=True, cache=True)
-def seq_runs(step, sid, run):
-    """Runs of equal (step, sample_id): run[i] = the run of token i; returns the runs'
-    first token indices."""
-    n = step.shape[0]
-    starts = np.empty(n, np.int64)
-    r = -1
-    for i in range(n):
-        if i == 0 or step[i] != step[i - 1] or sid[i] != sid[i - 1]:
-            r += 1
-            starts[r] = i
-        run[i] = r
-    return starts[: r + 1]
-
-
-@njit(nogil=True, cache=True)
-def take_runs(run, a, b, out_a, out_b):
-    """out_a[i] = a[run[i]], out_b[i] = b[run[i]] (each token's sequence ids, GIL free)."""
-    for i in range(run.shape[0]):
-        out_a[i] = a[run[i]]
-        out_b[i] = b[run[i]]
-
-
-@njit(nogil=True, cache=True)
-def check_column(x, limit):
-    """2 if some value is NaN, infinite or above limit; else 1 if some value is above 0;
-    else 0 (ingest's fast validation, canonical.quick_check)."""
-    pos = False
-    for i in range(x.shape[0]):
-        v = x[i]
-        if not (v <= limit) or v == -INF or v == INF:
-            return 2
-        pos |= v > 0
-    return 1 if pos else 0
-
-
-_PW_C1 = np.uint64(0x9E3779B97F4A7C15)
-_PW_C2 = np.uint64(0xD1B54A32D192ED03)
-_PW_C3 = np.uint64(0xBF58476D1CE4E5B9)
-_PW_C4 = np.uint64(0x94D049BB133111EB)
-_PW_SEED = np.uint64(1_000_003)
-
-
-@njit(nogil=True, cache=True)
-def poisson_weights_t(units, replicates, seed, icdf, out):
-    """out[i, r] = the Poisson(1) weight of unit units[i] in replicate r: engine.bins'
-    poisson_weights (the same splitmix64 hash, bit for bit), written units-major. icdf[k]
-    = ceil(cdf[k] * 2**53): u * 2**-53 >= cdf[k] iff u >= icdf[k] (exact), so the inverse-
-    CDF search compares integers (len(icdf) > 8)."""
-    s = np.uint64(seed) * _PW_SEED
-    nc = icdf.shape[0]
-    rterm = np.empty(replicates, np.uint64)
-    for r in range(replicates):
-        rterm[r] = (np.uint64(r) + s) * _PW_C2
-    for i in range(units.shape[0]):
-        uz = np.uint64(units[i]) * _PW_C1
-        for r in range(replicates):
-            z = uz + rterm[r]
-            z ^= z >> np.uint64(30)
-            z *= _PW_C3
-            z ^= z >> np.uint64(27)
-            z *= _PW_C4
-            z ^= z >> np.uint64(31)
-            m = z >> np.uint64(11)
-            # the entries <= m, counted without a branch over the first 8 (icdf ascends:
-            # the linear search's answer; Poisson(1) passes 8 once in ~10^6 draws), where a
-            # search's unpredictable exits cost ~15 ns a draw
-            k = 0
-            for c in range(8):
-                k += m >= icdf[c]
-            if k == 8:
-                while k < nc and m >= icdf[k]:
-                    k += 1
-            out[i, r] = k
-
-
-@njit(nogil=True, cache=True)
-def add_replicates(unit, bins, mult, wt, out):
-    """out[bins[i], r] += mult[i] * wt[unit[i], r] for every entry i and replicate r: a
-    bootstrap's replicate counts per bin, entry by entry (integers in float64: exact in any
-    order)."""
-    nr = wt.shape[1]
-    for i in range(unit.shape[0]):
-        u = unit[i]
-        b = bins[i]
-        m = mult[i]
-        for r in range(nr):
-            out[b, r] += m * wt[u, r]
-
-
-@njit(nogil=True, cache=True)
-def q_bucket_codes(lq, edges, out, first):
-    """out[i] = np.searchsorted(edges, q, "right") - 1 for q = exp(lq[i]) (vmath's exp, the
-    bits of pmath's): each token's inference-probability bucket (edges ascending from 0);
-    first[k] = the first token in bucket k (-1: none; the caller fills it with -1)."""
-    ne = edges.shape[0]
-    for i in range(lq.shape[0]):
-        q = vexp(lq[i])
-        k = 0
-        while k + 1 < ne and q >= edges[k + 1]:
-            k += 1
-        out[i] = k
-        if first[k] < 0:
-            first[k] = i

@@ -15,8 +15,8 @@ count, |dp| mass, 1/n and clamped-ratio sums to its (group, class, interval); th
 the scatter, the sequence sums and m2po's inputs come out of the same loop. A token inside
 a window is not added but sent to the simple path (`BatchOut.flagged` -> engine), so
 counts are exactly the simple path's at every grid point, ties, strict `>` and inclusive
-`>=` included. Real logs put almost no token in a window (4 of 20M in the benchmark log).
-`take()` turns the interval sums into each job's per-threshold bins (Program.expand).
+`>=` included (4 of 20M tokens in a window in the benchmark log). `take()` turns the
+interval sums into each job's per-threshold bins (Program.expand).
 
 The kernels that loop over tokens (`coord_pass`, `m2po_step`) are compiled without numba's
 reference counting and allocate nothing: their scratch comes from here (`_scratch`, per
@@ -25,31 +25,38 @@ counts around every token's additions, which cost more than the additions.
 
 Per token, in blocks of 512: p, q, |dp|, the clamped ratio, k3 and the binary KLs in
 vectorised loops (~1.5-2 ns per exp/expm1/log on AVX2, `vmath`); metrics, sequence sums and
-m2po's inputs one token at a time; then, coordinate by coordinate, one loop bins the
-block's tokens (a table load each) and a second adds them to their intervals' sums (count
-and |dp| mass side by side in one float64 array, so a token's two additions share a cache
-line): apart, each loop keeps more tokens' memory accesses in flight. About 91-92 ns a
-token on one core for the whole default sweep (sequences ~10 of it, the scatter ~10, the
-metrics ~4; 1M-token batch, best of 15). Metric maxima and the scatter's bins are exactly
-the simple path's (the same per-token bits, on every CPU); sums differ from the simple
-path's in the last bits (another order of addition).
+m2po's inputs one token at a time; then, per coordinate, one loop bins the block's tokens
+(a table load each) and a second adds them to their intervals' sums (count and |dp| mass
+side by side: one cache line): apart, each loop keeps more memory accesses in flight.
+About 91-92 ns a token on one core for the whole default sweep (sequences ~10 of it, the
+scatter ~10, the metrics ~4; 1M-token batch, best of 15). Metric maxima and the scatter's
+bins are the simple path's bits (on every CPU); sums differ from its sums in the last bits
+(another order of addition).
 
 Buffers. Each runner owns its per-batch arrays that never leave `run()` (the window flags,
 the scatter counts: `_zeros`, grown once and zeroed per batch, since an array of megabytes
 fresh from the system faults in every page on first touch) and its per-thread scratch;
 m2po's inputs (l^2 and |dp|) are written where the caller says (`m2po_into`: the engine
 passes a slab leased from m2po's store, which keeps it until the step is resolved, so they
-are never copied), else into arrays of the runner's own (`_reused`, not zeroed). m2po's
-per-step scratch is per thread.
+are never copied), else into arrays of the runner's own (`_reused`, not zeroed).
 
 Threads: a batch is cut into 4 chunks per thread (MISMATCH_REPLAY_THREADS, default: the
 usable cores), taken by whichever thread is free; each thread adds into its own
 accumulators, padded apart so that no two threads write to one cache line (interval sums
 persist across batches and are expanded once, at `Tally.flush`; past ACCUM_BUDGET, 512 MiB
 of them -- e.g. --by step over thousands of steps on many cores -- fewer threads keep their
-own). Integer counts never depend on the split; floating-point sums (mass, weights,
-metrics) differ in the last bits, as they already do with how the log is cut into files
-and batches.
+own). Counts never depend on the split; float sums are added per chunk and folded in
+chunk order (`ordered`), so they depend on the thread count (the chunks), not on which
+thread took which chunk (tests/test_determinism.py).
+
+A follower's metrics. One read may feed a second Tally that needs only the metrics and
+sequence sums of the same tokens under another grouping (the report's per-step Tally:
+`Tally.lead_metrics`). `run(follow=(g2, groups2, entropy))` sums each run of one g2 group
+within a block into per-chunk rows (flags[F_METRICS2]; a run of both groupings is summed
+once), added up in chunk order as the follower's own run() would: with the same threads
+(chunks, blocks) its sums and maxima bit for bit (tests/test_shared_metrics.py). Sequence
+sums do not depend on the grouping and each sequence's first token is kept, so the
+follower runs no pass: ~0.6 ms a 1M-token batch instead of its ~14 ms (2 threads).
 
 Backend: `backend()` is "numba" where numba is installed (a core dependency; without it
 everything runs on the simple path with the same counts and one KernelWarning), "numpy"
@@ -263,6 +270,7 @@ ACCUM_BUDGET = 512 << 20  # bytes of per-thread bins before fewer threads keep t
 # bytes of a batch's per-chunk bins (chunks x groups) up to which they are added up in chunk
 # order (`Fused`: the same float sums on every run); past it, per thread
 ORDERED_BUDGET = 16 << 20
+FOLLOW_ROWS = 1 << 13  # chunks x groups of a follower's metric rows kept whole (_follow_rows)
 
 
 @dataclass
@@ -285,6 +293,9 @@ class BatchOut:
     tail: tuple[np.ndarray, np.ndarray] | None = None
     q_counts: np.ndarray | None = None  # with q_edges: tokens per q bucket
     q_mass: np.ndarray | None = None  # ... and their |dp| summed
+    # with follow=: (msum (G2, 15), mmax (G2, 2), seq_first by g2 group or None), a follower
+    # Tally's metrics and first groups (Fused.run)
+    follow: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
 
 def _ro(a, dtype) -> np.ndarray:
@@ -299,6 +310,7 @@ _E1 = np.zeros(1, np.float64)
 _E2 = np.zeros((1, 1), np.float64)
 _EI1 = np.zeros(1, np.int64)
 _EU1 = np.zeros(1, np.uint32)
+_EM2 = (np.zeros((1, N_SUMS)), np.full((1, N_MAXES), -math.inf))  # no follower: unused
 _EMPTY = np.iinfo(np.int64).max  # a sequence's lowest interval before it has one
 
 
@@ -441,6 +453,7 @@ class Fused:
         tail_cut: np.ndarray | None = None,
         q_edges: np.ndarray | None = None,
         clamped_seq: bool = False,
+        follow: tuple[np.ndarray, int, bool] | None = None,
     ) -> BatchOut:
         """One batch through the kernel. `m2po_into`: two float64 arrays of len(lp) that
         m2po's l^2 and |dp| are written into (its store's leased slab), else the runner's.
@@ -448,10 +461,15 @@ class Fused:
         c is <= tail_cut[c, 0] or >= tail_cut[c, 1], or that a job's fixed side masks
         (`Program.fixed_side`), or inside a window, come back in `BatchOut.tail`. `q_edges`
         (ascending, from 0): `BatchOut.q_counts` holds the tokens of each q bucket, `q_mass`
-        their |dp| sums."""
+        their |dp| sums. `follow` = (g2, groups2, entropy2): a follower Tally's group codes
+        of the same tokens, its number of groups and whether its metrics see the entropy
+        (`entropy` given); `BatchOut.follow` then holds the metric sums and maxima per g2
+        group and each sequence's first g2 group, as that Tally's own run() with the same
+        thread count would give them, bit for bit (the module docstring)."""
         j = compiled()
         p = self.p
         n = len(lp)
+        g_in = g  # the caller's group codes (g is shifted by the chunks' goff below)
         self._grow(groups)
         self.dirty = True
         has_seq = seq_local is not None
@@ -503,7 +521,19 @@ class Fused:
         sq_sum = np.zeros((nt, m + PAD, j.N_SEQ_SUMS))
         sq_mx = np.full((nt, m + PAD), -math.inf)
         sq_mn = np.full((nt, m + PAD), math.inf)
-        sq_first = np.full((nch, m + PAD), -1, np.int64)  # per chunk: input order decides
+        # per chunk: each sequence's first token (input order decides)
+        sq_first = np.full((nch, m + PAD), -1, np.int64)
+        m2 = follow is not None and metrics
+        if m2:
+            g2, groups2, ent2 = follow
+            ent2 = bool(ent2) and entropy is not None
+            g2 = _ro(g2, np.int64)
+            off2, span2 = self._follow_rows(g2, bounds, groups2)
+            msum2 = np.zeros((nch, span2 + PAD, N_SUMS))
+            mmax2 = np.full((nch, span2 + PAD, N_MAXES), -math.inf)
+        else:
+            g2, ent2, off2 = _ro(_EI1, np.int64), False, np.zeros(nch, np.int64)
+            msum2, mmax2 = _EM2[0], _EM2[1]
         acc = self._chunk_bins(nch, span) if goff is not None else None
         # m2po's inputs: into the store's slab, else the runner's own (overwritten next batch)
         if m2po and m2po_into is not None:
@@ -524,6 +554,8 @@ class Fused:
                 tail,
                 qb,
                 clamped_seq and has_seq,
+                m2,
+                ent2,
             ],
             dtype=np.int64,
         )
@@ -585,6 +617,10 @@ class Fused:
                 nflag[t],
                 msum[c],
                 mmax[c],
+                g2,
+                off2[c],
+                msum2[c] if m2 else msum2,
+                mmax2[c] if m2 else mmax2,
                 hl[t],
                 hg[t],
                 sq_sum[t],
@@ -620,7 +656,6 @@ class Fused:
                 if metrics:
                     ms_g[a : a + r] += msum[c, :r]
                     np.maximum(mx_g[a : a + r], mmax[c, :r], out=mx_g[a : a + r])
-                sq_first[c] = np.where(sq_first[c] >= 0, sq_first[c] + a, -1)
             if not metrics:
                 ms_g, mx_g = msum[:, :1].sum(axis=0), mmax[:, :1].max(axis=0)
         else:
@@ -628,6 +663,18 @@ class Fused:
         first = sq_first[0, :m].copy()
         for c in range(1, nch):  # the first token in input order: the lowest chunk wins
             first = np.where(first < 0, sq_first[c, :m], first)
+        seen = first >= 0
+        at = np.where(seen, first, 0)
+        followed = None
+        if m2:  # the follower's sums per chunk, added up in chunk order (as its run's)
+            ms2 = np.zeros((groups2, N_SUMS))
+            mx2 = np.full((groups2, N_MAXES), -math.inf)
+            for c in range(nch):
+                a = int(off2[c])
+                r = min(span2, groups2 - a)
+                ms2[a : a + r] += msum2[c, :r]
+                np.maximum(mx2[a : a + r], mmax2[c, :r], out=mx2[a : a + r])
+            followed = (ms2, mx2, np.where(seen, g2[at], -1) if has_seq else None)
         nf = nflag[:, :nc].sum(axis=0)
         flagged = [(c, np.flatnonzero(tflag & np.uint32(1 << c))) for c in range(nc) if nf[c] > 0]
         self.flagged_tokens += int(nf.sum())
@@ -648,7 +695,8 @@ class Fused:
             hist_lin=hl.sum(axis=0),
             hist_log=hg.sum(axis=0),
             seq=seq,
-            seq_first=first,
+            seq_first=np.where(seen, np.asarray(g_in)[at], -1) if has_seq else first,
+            follow=followed,
             m2po_x=m2x if m2po else None,
             m2po_mass=m2m if m2po else None,
             tail=_tail(tbits) if tail else None,
@@ -682,6 +730,18 @@ class Fused:
         if nch * span * self._row() > ORDERED_BUDGET:
             return None
         return lo, span
+
+    def _follow_rows(self, g2, bounds: np.ndarray, groups2: int) -> tuple[np.ndarray, int]:
+        """(each chunk's lowest g2 group, the rows of a chunk's follower sums): every group
+        in every chunk where that is small (FOLLOW_ROWS), else each chunk's window of the
+        groups it holds. The rows change no bit: a chunk's sums are added to each group's
+        in chunk order either way, and a group a chunk lacks gets +0.0."""
+        nch = bounds.shape[0] - 1
+        g2 = np.asarray(g2)
+        if nch == 1 or groups2 <= 1 or nch * groups2 <= FOLLOW_ROWS or g2.shape[0] == 0:
+            return np.zeros(nch, np.int64), max(groups2, 1)
+        lo = np.minimum.reduceat(g2, bounds[:-1])
+        return lo, int((np.maximum.reduceat(g2, bounds[:-1]) - lo).max()) + 1
 
     def _thread_bins(self, t: int) -> list[np.ndarray]:
         """Thread t's copy of the bins (per-thread mode)."""

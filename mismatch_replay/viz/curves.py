@@ -40,6 +40,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from ..errors import UsageError
+from ..gcpause import paused as gc_paused
 from ..rules import REGISTRY, Rule
 from .labels import Label, place_labels
 from .style import (
@@ -48,7 +49,6 @@ from .style import (
     SMALL,
     display_name,
     fmt_g,
-    gc_paused,
     light_log_ticks,
     rule_color,
 )

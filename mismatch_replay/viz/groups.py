@@ -32,6 +32,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ..engine import Q_BUCKET_EDGES
 from ..errors import UsageError
+from ..gcpause import paused as gc_paused
 from .style import (
     LABEL,
     NOTE,
@@ -40,7 +41,6 @@ from .style import (
     fig_ax,
     fmt_g,
     fraction_column,
-    gc_paused,
     settings_of,
     spec_label,
     style_for,

@@ -33,6 +33,7 @@ from pathlib import Path
 from .. import analysis, engine, ingest
 from ..analysis.figure_data import NO_LENGTH_NOTE
 from ..errors import UsageError
+from ..gcpause import frozen
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
 from . import pool
 from .names import FIGURES
@@ -63,6 +64,7 @@ def _refuse_existing(outdir: Path, names: Sequence[str], force: bool) -> None:
         )
 
 
+@frozen()  # the collector's passes walk only what the job makes (gcpause.py)
 def plot(
     sources: Sequence[str | Path],
     outdir: str | Path,
@@ -94,6 +96,7 @@ def plot(
         )
 
 
+@frozen()
 def report(
     sources: Sequence[str | Path],
     outdir: str | Path,

@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from ..errors import UsageError
+from ..gcpause import paused as gc_paused
 from ..rules import REGISTRY, Rule, binary_kl
 from .style import (
     LABEL,
@@ -42,7 +43,6 @@ from .style import (
     draw_line,
     fig_ax,
     fmt_g,
-    gc_paused,
     in_view,
     rule_color,
 )

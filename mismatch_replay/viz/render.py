@@ -37,12 +37,13 @@ from matplotlib.figure import Figure
 
 from .. import __version__
 from ..errors import UsageError
+from ..gcpause import paused as gc_paused
 from ..output import atomic_write, ensure_dir
 from .curves import masked_fraction
 from .groups import masked_by_length, steps, where_masked
 from .names import FIGURES, FORMATS  # noqa: F401  (FIGURES re-exported: render.FIGURES)
 from .plane import scatter_panels
-from .style import AggCanvas, agg_canvas, gc_paused, steady_ticks
+from .style import AggCanvas, agg_canvas, steady_ticks
 
 if TYPE_CHECKING:
     from ..analysis import FigureData

@@ -28,16 +28,15 @@ process and size rather than once per figure; a pyplot figure keeps its own canv
 Two contexts cut what matplotlib repeats, without changing a pixel: `steady_ticks(fig)`,
 around a layout engine's run or a draw, has each axis locate, format and move its ticks
 once per state (view, size, resolution) instead of at every measure of the axis, its label,
-its siblings and its spines; `gc_paused()` (also a decorator: every figure function and
-render's `encode`) keeps the cyclic garbage collector's full passes, which walk every object
-of the process, out of building and drawing a figure. `in_view(locator)` is a LogLocator
-trimmed to the view (a colour bar's, with its own subs).
+its siblings and its spines; `gcpause.paused()` (a decorator on every figure function, a
+context around render's `encode`) keeps the cyclic garbage collector's full passes, which
+walk every object of the process, out of building and drawing a figure. `in_view(locator)` is a
+LogLocator trimmed to the view (a colour bar's, with its own subs).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 from collections.abc import Iterator, Sequence
 
@@ -189,23 +188,6 @@ def agg_canvas(fig: Figure) -> Figure:
     if type(canvas) in (FigureCanvasBase, FigureCanvasAgg) and canvas.manager is None:
         AggCanvas(root)
     return root
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a figure is built or drawn (a context and a
-    decorator), back as it was afterwards. Building and drawing allocate tens of thousands
-    of containers (ticks, texts, paths, transforms), enough to start the collector's
-    full pass every figure or two, which walks every object of the process (the log's
-    tables, the replay's) at 0.05-0.2 s a pass: 10-15% of the figures' time. Off, the
-    figure's garbage waits for the next pass after it; nothing is lost."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _memo_ticks(axis: Axis):

@@ -1,0 +1,110 @@
+"""gcpause: a job's collector passes skip the objects it found (`frozen`), a figure's skip
+the collector altogether (`paused`); both give the process back as it was."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from mismatch_replay import gcpause
+
+
+class _Node:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the collector frees it
+
+
+def test_frozen_moves_what_exists_out_of_the_passes_and_back():
+    assert gc.get_freeze_count() == 0
+    before = len(gc.get_objects(generation=2))
+    with gcpause.frozen():
+        assert gc.get_freeze_count() >= before > 1000
+        assert len(gc.get_objects(generation=2)) < before / 10
+    assert gc.get_freeze_count() == 0
+    assert len(gc.get_objects(generation=2)) >= before * 0.9
+
+
+def test_a_frozen_jobs_own_cyclic_garbage_is_still_collected():
+    with gcpause.frozen():
+        node = _Node()
+        ref = weakref.ref(node)
+        del node
+        gc.collect()
+        assert ref() is None
+
+
+def test_nested_and_threaded_jobs_unfreeze_once_at_the_end():
+    started, go = threading.Event(), threading.Event()
+
+    def job():
+        with gcpause.frozen():
+            started.set()
+            go.wait(5)
+
+    with gcpause.frozen():
+        frozen_at = gc.get_freeze_count()
+        t = threading.Thread(target=job)
+        t.start()
+        assert started.wait(5)
+        with gcpause.frozen():
+            assert gc.get_freeze_count() >= frozen_at
+        assert gc.get_freeze_count() > 0  # the inner job ended, the outer one still runs
+        go.set()
+        t.join(5)
+        assert gc.get_freeze_count() > 0  # so did the thread's: still frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_someone_elses_freeze_is_left_alone():
+    gc.freeze()
+    try:
+        theirs = gc.get_freeze_count()
+        with gcpause.frozen():
+            pass
+        assert gc.get_freeze_count() >= theirs  # not unfrozen by us
+    finally:
+        gc.unfreeze()
+
+
+def test_frozen_unfreezes_on_an_exception():
+    with pytest.raises(RuntimeError), gcpause.frozen():
+        raise RuntimeError
+    assert gc.get_freeze_count() == 0
+
+
+def test_paused_restores_the_collector_as_it_was():
+    assert gc.isenabled()
+    with gcpause.paused():
+        assert not gc.isenabled()
+        with gcpause.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gcpause.paused():
+            pass
+        assert not gc.isenabled()  # it was off: it stays off
+    finally:
+        gc.enable()
+
+
+def test_the_jobs_run_frozen(tmp_path, monkeypatch):
+    """`viz.jobs.report` runs inside `frozen()` (what the report's figures and tables
+    allocate is walked; the imported modules are not)."""
+    from mismatch_replay.viz import jobs
+
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(gc.get_freeze_count())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(jobs.analysis, "report_data", spy)
+    with pytest.raises(RuntimeError, match="stop here"):
+        jobs.report([tmp_path / "x.parquet"], tmp_path / "out", command="t", figure_process=False)
+    assert seen and seen[0] > 1000
+    assert gc.get_freeze_count() == 0
