@@ -287,14 +287,21 @@ def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult |
     ja, jb = _covered_job(pr.a, tc), _covered_job(pr.b, tc)
     if ja is None or jb is None:
         return None
-    ma, mb = tc.masked(ja), tc.masked(jb)
-    tb = tc.kept_batch()
-    cell = np.where(ma & mb, 0, np.where(ma, 1, np.where(mb, 2, 3)))
+    # the tokens either masks (kept-token indices, ascending) and their per-token values
+    # only: the same values, in the same order, as read from every kept token's
+    ra, rb = tc.masked_rows(ja), tc.masked_rows(jb)
+    rows = np.concatenate([ra, rb])  # both ascending: their union, ascending
+    rows.sort(kind="stable")
+    rows = rows[np.r_[True, rows[1:] != rows[:-1]]] if rows.size else rows
+    ma, mb = np.zeros(rows.size, dtype=bool), np.zeros(rows.size, dtype=bool)
+    ma[np.searchsorted(rows, ra)] = True
+    mb[np.searchsorted(rows, rb)] = True
+    tb = tc.batch(rows)
+    c = np.where(ma & mb, 0, np.where(ma, 1, 2))
     edges = np.asarray(engine.Q_BUCKET_EDGES)
     nb = edges.size
     qb = np.searchsorted(edges, tb.q, side="right") - 1
-    hit = cell < 3
-    c, w = cell[hit], {"q": tb.q[hit], "p": tb.p[hit], "mass": tb.abs_dp[hit]}
+    w = {"q": tb.q, "p": tb.p, "mass": tb.abs_dp}
     acc = {"count": np.bincount(c, minlength=4).astype(np.float64)}
     acc |= {k: np.bincount(c, weights=v, minlength=4) for k, v in w.items()}
     tot = tc.main.metrics.total().s
@@ -306,12 +313,12 @@ def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult |
         ("mass", tot["abs_dp"][0]),
     ):
         acc[k][3] = total - acc[k][:3].sum()
-    bucket = np.bincount(c * nb + qb[hit], minlength=4 * nb).reshape(4, nb).astype(np.float64)
+    bucket = np.bincount(c * nb + qb, minlength=4 * nb).reshape(4, nb).astype(np.float64)
     bucket[3] = tc.tail.q_counts - bucket[:3].sum(axis=0)
     top: dict[str, dict[str, np.ndarray]] = {}
     a = tc.tail.arrays()
     for side, code in (("a", 1), ("b", 2)):
-        dis = np.flatnonzero(cell == code) if examples else np.zeros(0, np.int64)
+        dis = np.flatnonzero(c == code) if examples else np.zeros(0, np.int64)
         if dis.size:
             keep = dis[np.argsort(-np.abs(tb.l[dis]), kind="stable")[:examples]]
             top[side] = {
@@ -320,7 +327,7 @@ def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult |
                 "p": tb.p[keep],
                 "abs_dp": tb.abs_dp[keep],
                 "log_ratio": tb.l[keep],
-            } | {col: a[col][keep] for col in ("step", "sample_id", "position") if col in a}
+            } | {col: a[col][rows[keep]] for col in ("step", "sample_id", "position") if col in a}
     return _compare_result(plan, pr, _Acc(acc, bucket, top), edges)
 
 

@@ -372,9 +372,10 @@ def one_pass(plan, fine, boot, bootstrap, unit, seed, main, progress) -> Pass:
                 w = main.seq_unit_weights()
             finally:
                 main.boot_replicates = 0
+        tokens = replicate_tokens(st.n, w.T) if sb else None  # the same for every job
         for i in sb:
             out.reps[i] = seq_hits(st, boot[i], w)
-            out.tokens[i] = replicate_tokens(st.n, w.T)
+            out.tokens[i] = tokens
     return out
 
 

@@ -21,6 +21,16 @@ token is among the kept ones, and
 
 A job whose values are not all covered is left to a pass (`search.one_pass` runs it): the
 answers are the same either way, only the time differs.
+
+What it costs: each rule and parameter is scored once on its coordinate's kept tokens. A job
+reads only those scoring at least its loosest threshold (`_view`: the others are in bin 0
+at all its values, which no count reads): views cut once and cached, each from the
+narrowest one that holds it, so that a search's later jobs, near its answer, bin the few
+tokens there; a count over most of the coordinate (`cover`'s union grid, a refinement) is
+read off the sorted scores instead (`sorted_counts`, no view kept). A view keeps input
+order, so every sum over masked tokens is added in the order it would be over all of them;
+the grouped tables and compare's table compute q and |dp| for the masked tokens only
+(`batch`), the same values elementwise as for every kept token.
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ from ..engine.bins import seq_count
 from ..engine.tally import sequence_bins
 from ..fast import bin_scores, executor, replicate_bins, threads
 from ..rules import TokenBatch
+
+VIEW_SHRINK = 0.75  # `_view`: a narrowed view is cached where it holds at most this share
+SORT_MIN = 1 << 16  # `_counts`: views from which it counts on the sorted scores
 
 
 def _key(job: engine.Job) -> tuple:
@@ -48,10 +61,13 @@ class TailCounts:
         main.flush()  # its accumulators into its bins now, not in two threads at once later
         self.main = main
         self.tail = main.tail
-        self._sub: dict[int | None, tuple[np.ndarray | None, TokenBatch]] = {}
+        self._idx: dict[int | None, np.ndarray | None] = {}  # `_index`
+        self._sub: dict[int | None, TokenBatch] = {}  # `_subset`'s batches, until let go
         self._scores: dict[tuple, np.ndarray] = {}
         self._cover: dict[tuple, float] = {}
-        self._live: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_view`
+        self._live: dict[tuple, list] = {}  # `_view`: [(bound, rows, scores)], bound ascending
+        self._coord: dict[tuple, int | None] = {}  # `_coordinate`
+        self._hit: dict[tuple, tuple] = {}  # `_grouped`: a setting's masked rows, bins, batch
         self._exact: dict[tuple, list] = {}  # `_evaluated`, per rule and parameter
         self._weights: tuple | None = None
         self._unit_cache: dict[str, tuple] = {}
@@ -69,73 +85,112 @@ class TailCounts:
             got = main.tail.cache["counts"] = cls(main)
         return got
 
-    def _coordinate(self, job: engine.Job) -> int | None:
+    def _coordinate(self, job: engine.Job, k: tuple | None = None) -> int | None:
         """The kernel coordinate the replay binned this rule and parameter on (its kept
-        tokens are those with that coordinate's bit), or None: every kept token."""
+        tokens are those with that coordinate's bit), or None: every kept token (cached per
+        rule and parameter; `k`: the job's `_key`)."""
+        k = _key(job) if k is None else k
+        if k in self._coord:
+            return self._coord[k]
+        got = None
         program = self.main.program
-        if program is None:
-            return None
-        k = _key(job)
-        for ji, mj in enumerate(self.main.jobs):
-            if mj.rule.level == "token" and _key(mj) == k and program.slot[ji] >= 0:
+        for ji, mj in enumerate(self.main.jobs if program is not None else []):
+            if got is None and mj.rule.level == "token" and _key(mj) == k:
                 slot = program.slot[ji]
-                for c, coord in enumerate(program.coords):
-                    if slot in coord.slots:
-                        return c
-        return None
+                if slot >= 0:
+                    got = next((c for c, co in enumerate(program.coords) if slot in co.slots), None)
+        self._coord[k] = got
+        return got
+
+    def _index(self, c: int | None) -> np.ndarray | None:
+        """Indices into the kept tokens of coordinate c's tail (None: every kept token)."""
+        if c not in self._idx:
+            bits = self.tail.arrays()["bits"]
+            # (a bool array: numpy's nonzero on one is several times faster than on uint32)
+            self._idx[c] = None if c is None else np.flatnonzero((bits & np.uint32(1 << c)) != 0)
+        return self._idx[c]
 
     def _subset(self, c: int | None) -> tuple[np.ndarray | None, TokenBatch]:
-        """(indices into the kept tokens, their TokenBatch) of coordinate c's tail."""
-        got = self._sub.get(c)
-        if got is None:
+        """(indices into the kept tokens, their TokenBatch) of coordinate c's tail: the
+        batch made (gathered) where it is not cached, e.g. after `prepare` let it go."""
+        idx = self._index(c)
+        tb = self._sub.get(c)
+        if tb is None:
             a = self.tail.arrays()
-            idx = None if c is None else np.flatnonzero(a["bits"] & np.uint32(1 << c))
             adv = a.get("advantage")
             if idx is None:
                 tb = TokenBatch(a["lp"], a["lq"], adv)
             else:
                 tb = TokenBatch(a["lp"][idx], a["lq"][idx], None if adv is None else adv[idx])
-            got = self._sub[c] = (idx, tb)
-        return got
+            self._sub[c] = tb
+        return idx, tb
 
-    def score(self, job: engine.Job) -> np.ndarray:
+    def score(self, job: engine.Job, k: tuple | None = None) -> np.ndarray:
         """The rule's score of the kept tokens on its coordinate (cached per rule and
-        parameter)."""
-        k = _key(job)
+        parameter; `k`: the job's `_key`)."""
+        k = _key(job) if k is None else k
         s = self._scores.get(k)
         if s is None:
-            _, tb = self._subset(self._coordinate(job))
+            _, tb = self._subset(self._coordinate(job, k))
             s = np.asarray(job.rule.score(tb, job.param), dtype=np.float64)
+            if np.isnan(s).any():  # before a view drops them (`bin_scores` raises too)
+                raise AssertionError("internal error: a rule produced NaN scores")
             self._scores[k] = s
         return s
 
-    def _view(self, job: engine.Job) -> tuple[np.ndarray, np.ndarray]:
-        """(kept-token indices, their scores) of the tokens the job's counts read: its
-        coordinate's kept tokens, or, where every value of the job is at least as strict as
-        the covered threshold, only those masked there (`live`: the others are masked at
-        none of its values). Cached per rule and parameter."""
-        k = _key(job)
-        idx, _ = self._subset(self._coordinate(job))
-        s = self.score(job)
-        c = self._cover.get(k)
-        if c is None or not np.isfinite(c) or len(job.values) == 0 or job.thresholds.min() < c:
-            return (np.arange(s.shape[0]) if idx is None else idx), s
-        got = self._live.get(k)
-        if got is None:
-            live = np.flatnonzero(s >= c if job.rule.inclusive else s > c)
-            got = self._live[k] = ((live if idx is None else idx[live]), s[live])
-        return got
+    def _view(
+        self, job: engine.Job, k: tuple, lo: float, narrow: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(kept-token indices, their scores, in input order, and whether that is the whole
+        coordinate) of a superset of the tokens the job masks at some value: its
+        coordinate's kept tokens scoring at least `lo`, its loosest threshold (all of them
+        where `lo` is NaN: a job with no value). Cut from the narrowest view cached that
+        holds them (`narrow`: else that view), and cached per rule and parameter where at
+        most VIEW_SHRINK of that one, so that a search's later jobs, near its answer, bin
+        the few tokens near it. The tokens a view leaves out exceed no threshold of the job
+        (bin 0 at every value, which no count reads); the ones it keeps stay in input order,
+        so every sum over the masked tokens is added in the same order as over the whole
+        coordinate."""
+        idx = self._index(self._coordinate(job, k))
+        s = self.score(job, k)
+        full = (np.arange(s.shape[0]) if idx is None else idx), s, True
+        if np.isnan(lo):
+            return full
+        views = self._live.get(k, [])
+        parent = next((v for v in reversed(views) if v[0] <= lo), (-np.inf, *full))
+        if parent[0] == lo or not narrow:
+            return parent[1:]
+        keep = np.flatnonzero(parent[2] >= lo)  # +inf scores (masked everywhere) included
+        if keep.size > VIEW_SHRINK * parent[2].shape[0]:
+            return parent[1:]
+        got = (lo, parent[1][keep], parent[2][keep], False)
+        self._live[k] = sorted([*views, got], key=lambda v: v[0])  # a new list: threads
+        return got[1:]
 
-    def _bins(self, job: engine.Job) -> tuple[np.ndarray, np.ndarray]:
-        """(kept-token indices, each one's bin on the job's sorted thresholds)."""
-        rows, s = self._view(job)
-        return rows, bin_scores(s, job.sorted_thresholds, job.rule.inclusive)
+    def _bins(self, job: engine.Job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(kept-token indices, each one's bin on the job's sorted thresholds, the job's
+        `order`), the thresholds computed once."""
+        thr = job.thresholds
+        rows, s, _ = self._view(job, _key(job), float(thr.min()) if thr.size else np.nan)
+        order = np.argsort(thr, kind="stable")
+        return rows, bin_scores(s, thr[order], job.rule.inclusive), order
 
     def _counts(self, job: engine.Job) -> np.ndarray:
-        """Kept tokens masked at each of the job's values (values' order)."""
-        _, b = self._bins(job)
-        width = len(job.values) + 2
-        return suffix_values(job, np.bincount(b, minlength=width))
+        """Kept tokens masked at each of the job's values (values' order). Where no view
+        narrower than the whole coordinate holds the job's tokens (`cover`'s union grid, a
+        refinement's), from the sorted scores of those at or above its loosest threshold
+        (`sorted_counts`: the same counts as the bins', and no view kept), else from the
+        view's bins."""
+        k, thr = _key(job), job.thresholds
+        lo = float(thr.min()) if thr.size else np.nan
+        _, s, whole = self._view(job, k, lo, narrow=False)
+        if whole and s.shape[0] >= SORT_MIN and not np.isnan(thr).any():
+            beyond = s[np.flatnonzero(s >= lo)]  # (faster than a boolean mask's indexing)
+            return sorted_counts(np.sort(beyond), thr, job.rule.inclusive)
+        _, s, _ = self._view(job, k, lo)
+        order = np.argsort(thr, kind="stable")
+        b = bin_scores(s, thr[order], job.rule.inclusive)
+        return suffix_values(job, np.bincount(b, minlength=len(job.values) + 2), order)
 
     def cover(self, job: engine.Job) -> float:
         """The loosest threshold (score space) from which on the kept tokens are every
@@ -181,14 +236,24 @@ class TailCounts:
     def masked(self, job: engine.Job) -> np.ndarray:
         """Which kept tokens (all of them, in input order) the rule masks at the job's one
         value (every masked token of the log where `covers(job)`)."""
-        rows, b = self._bins(job)
         out = np.zeros(self.tail.kept, dtype=bool)
-        out[rows[b > 0]] = True
+        out[self.masked_rows(job)] = True
         return out
+
+    def masked_rows(self, job: engine.Job) -> np.ndarray:
+        """`masked` as the kept-token indices, ascending."""
+        rows, b, _ = self._bins(job)
+        return rows[b > 0]
+
+    def batch(self, rows: np.ndarray) -> TokenBatch:
+        """The kept tokens `rows` as a TokenBatch (no advantage): their per-token values,
+        elementwise, are the same bits as `kept_batch()`'s at those rows."""
+        a = self.tail.arrays()
+        return TokenBatch(a["lp"][rows], a["lq"][rows])
 
     def kept_batch(self) -> TokenBatch:
         """Every kept token as a TokenBatch (input order)."""
-        return self._subset(None)[1]
+        return self._subset(None)[1]  # (never let go)
 
     def hits(self, job: engine.Job) -> np.ndarray:
         """Masked tokens at each of the job's values (exact where `covers(job)`)."""
@@ -226,17 +291,33 @@ class TailCounts:
     def prepare(self, jobs, bootstrap: tuple[int, str, int] | None = None) -> None:
         """Score and check the coverage of every token job's rule and parameter in `jobs`,
         and draw the bootstrap's weights ((B, unit, seed)), before `map` runs work on them
-        in threads (what the threads then read is in the caches, made once)."""
+        in threads (what the threads then read is in the caches, made once). The scores are
+        made a coordinate at a time, each coordinate's batch (its tokens' log-probs and
+        derived values: l, |dp|, the ratio, the KLs, ~0.17 GB at 50M tokens for choose's four)
+        let go once its rules are scored, so that the next one, and what comes after,
+        reuse that memory rather than touch new pages; a rule scored later on the subset
+        gathers it again."""
         todo: dict[tuple, engine.Job] = {}
         for j in jobs:
             if j.rule.level == "token" and _key(j) not in self._cover:
                 todo.setdefault(_key(j), j)
+        groups: dict[int | None, list] = {}
         for k, j in todo.items():  # what threads must not make at once: the Tally's
-            self._subset(self._coordinate(j))  # flush (its exact counts), the subsets
+            c = self._coordinate(j, k)  # flush (its exact counts), the subsets' indices
+            self._index(c)
+            groups.setdefault(c, []).append((k, j))
             if k not in self._exact:
                 self._exact[k] = self._evaluated(k)
         if bootstrap is not None and bootstrap[0] and self.can_resample(bootstrap[1]):
             self._unit_weights(*bootstrap)
+
+        def score_all(c):  # one coordinate's rules, then its batch goes
+            for k, j in groups[c]:
+                self.score(j, k)
+            if c is not None:
+                self._sub.pop(c, None)
+
+        self.map(score_all, sorted(groups, key=lambda c: -len(groups[c])))
         self.map(self.cover, list(todo.values()))
 
     def map(self, fn, items: list) -> list:
@@ -261,11 +342,17 @@ class TailCounts:
     def replicates(self, job: engine.Job, B: int, unit: str, seed: int):
         """((B, K) replicate masked tokens at the job's values, (B,) replicate tokens)."""
         _, wt, tokens, where = self._unit_weights(B, unit, seed)
-        rows, b = self._bins(job)
+        rows, b, order = self._bins(job)
         hit = b > 0
-        units = where[rows[hit]]
-        rep = replicate_bins(units, b[hit], np.ones(units.shape[0]), wt, len(job.values) + 2)
-        return suffix_values(job, rep), tokens
+        units, bh = where[rows[hit]], b[hit]
+        # a run of tokens of one unit in one bin (a sequence's tokens are adjacent) as one
+        # entry with its length: weights and counts are integers, so the sums are the same
+        new = np.ones(units.shape[0], dtype=bool)
+        new[1:] = (units[1:] != units[:-1]) | (bh[1:] != bh[:-1])
+        starts = np.flatnonzero(new)
+        mult = np.diff(np.append(starts, units.shape[0])).astype(np.float64)
+        rep = replicate_bins(units[starts], bh[starts], mult, wt, len(job.values) + 2)
+        return suffix_values(job, rep, order), tokens
 
     def _settings(self, rules) -> list[engine.Job] | None:
         """Each rule at its setting as a one-value job, where every one is a token mask rule
@@ -277,18 +364,25 @@ class TailCounts:
             return None
         return jobs
 
-    def _grouped(self, job: engine.Job, group: np.ndarray, n, mass) -> tuple:
-        """A one-value job's bins (G x 3) with each kept token in group `group[i]` (-1:
-        none), the rest of each group from its totals `n` (tokens) and `mass` (|dp|), and
-        its masked tokens' (kept-token indices, bins)."""
-        rows, b = self._bins(job)
-        hit = b > 0
-        rows, bh = rows[hit], b[hit]
+    def _grouped(self, job: engine.Job, group_of, n, mass) -> tuple:
+        """A one-value job's bins (G x 3) with each masked token in group `group_of(rows,
+        batch)[i]` (its kept-token indices and `batch` of them -> groups; -1: none), the rest
+        of each group from its totals `n` (tokens) and `mass` (|dp|), and its masked tokens'
+        (kept-token indices, bins). The groups and |dp| are computed for the masked tokens
+        only (once per setting: by_q_bucket and attach_by_step share them), in input order:
+        the same values, added in the same order, as read from every kept token's."""
+        k = (_key(job), tuple(job.values.tolist()))
+        got = self._hit.get(k)  # by_q_bucket, attach_by_step: the same settings
+        if got is None:
+            rows, b, _ = self._bins(job)
+            hit = b > 0
+            got = self._hit[k] = (rows[hit], b[hit], self.batch(rows[hit]))
+        rows, bh, tb = got
         G, width = n.shape[0], len(job.values) + 2
         bins = engine.JobBins(count=np.zeros((G, width), dtype=np.int64), mass=np.zeros((G, width)))
-        g = group[rows]
+        g = group_of(rows, tb)
         np.add.at(bins.count, (g, bh), 1)
-        np.add.at(bins.mass, (g, bh), self.kept_batch().abs_dp[rows])
+        np.add.at(bins.mass, (g, bh), tb.abs_dp)
         bins.count[:, 0] = np.asarray(n, dtype=np.int64) - bins.count[:, 1:].sum(axis=1)
         bins.mass[:, 0] = mass - bins.mass[:, 1:].sum(axis=1)
         return bins, rows, bh
@@ -308,9 +402,12 @@ class TailCounts:
         present = np.flatnonzero(t.q_counts > 0)
         row = np.full(edges.size, -1, dtype=np.int64)
         row[present] = np.arange(present.size)
-        group = row[np.searchsorted(edges, self.kept_batch().q, side="right") - 1]
+
+        def group_of(rows, tb):  # the q bucket of the masked tokens only
+            return row[np.searchsorted(edges, tb.q, side="right") - 1]
+
         n, mass = t.q_counts[present], t.q_mass[present]
-        bins = [self._grouped(j, group, n, mass)[0] for j in jobs]
+        bins = [self._grouped(j, group_of, n, mass)[0] for j in jobs]
         tally = engine.Tally(jobs, "q_bucket", scatter=False)
         tally.set_bins([float(edges[k]) for k in present], bins)
         return tally
@@ -340,7 +437,7 @@ class TailCounts:
         mass = main.sequences.column("mass")
         n_g = np.bincount(seq_group, weights=st.n, minlength=G)
         mass_g = np.bincount(seq_group, weights=mass, minlength=G)
-        group = seq_group[a["seq"]]
+        seq = a["seq"]
         done = iter(tjobs)
         jobs, bins = [], []
         for rule in rules:
@@ -349,7 +446,7 @@ class TailCounts:
                 got = sequence_bins(job, st, seq_group, G, mass)
             else:
                 job = next(done)
-                got, rows, bh = self._grouped(job, group, n_g, mass_g)
+                got, rows, bh = self._grouped(job, lambda r, _: seq_group[seq[r]], n_g, mass_g)
                 sb = np.zeros(len(main.sequences))
                 np.maximum.at(sb, a["seq"][rows], bh.astype(float))
                 got.seq_count = seq_count(seq_group, sb, len(job.values) + 2, G)
@@ -383,7 +480,7 @@ class TailCounts:
         n, mass = by_step.metrics.s["n"][:G], by_step.metrics.s["abs_dp"][:G]
         bins, seq_bins = [], []
         for j in jobs:
-            got, rows, bh = self._grouped(j, group, n, mass)
+            got, rows, bh = self._grouped(j, lambda r, _: group[r], n, mass)
             bins.append(got)
             if by_step.has_seq:
                 sb = np.zeros(len(by_step.sequences))
@@ -397,8 +494,7 @@ class TailCounts:
         value (units resampled with Poisson(1) weights, the ratio estimator's delta
         method); None where nothing is masked."""
         _, n, where = self._units(unit)
-        rows, b = self._bins(job)
-        c = np.bincount(where[rows[b > 0]], minlength=n.shape[0]).astype(float)
+        c = np.bincount(where[self.masked_rows(job)], minlength=n.shape[0]).astype(float)
         total = c.sum()
         if total == 0:
             return None
@@ -415,12 +511,28 @@ def replicate_tokens(n: np.ndarray, wt: np.ndarray) -> np.ndarray:
     return replicate_bins(units, np.zeros(n.shape[0], dtype=np.int64), n, wt, 1)[:, 0]
 
 
-def suffix_values(job: engine.Job, a: np.ndarray) -> np.ndarray:
+def sorted_counts(s_sorted: np.ndarray, thr: np.ndarray, inclusive: bool) -> np.ndarray:
+    """The scores `s_sorted` (ascending) masked at each threshold `thr` (not NaN): those
+    above it (at or above, `inclusive`), and +inf at every one -- the counts that binning
+    (`fast.bin_scores`, +inf in bin K + 1) and `suffix_values` give, in O(K log n). NaN
+    scores raise, as there."""
+    n = s_sorted.shape[0]
+    if n and np.isnan(s_sorted[-1]):  # np.sort puts NaN last
+        raise AssertionError("internal error: a rule produced NaN scores")
+    side = "left" if inclusive else "right"
+    got = n - np.searchsorted(s_sorted, thr, side=side).astype(np.int64)
+    if not inclusive and (thr == np.inf).any():  # nothing exceeds +inf; +inf is masked
+        got[thr == np.inf] = n - np.searchsorted(s_sorted, np.inf, side="left")
+    return got
+
+
+def suffix_values(job: engine.Job, a: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     """Per-bin counts (..., K + 2) in threshold order -> masked at each value (..., K), in
-    the job's value order (bin j holds the tokens that pass exactly j thresholds)."""
+    the job's value order (bin j holds the tokens that pass exactly j thresholds); `order`:
+    the job's `order`, where the caller has it."""
     rev = np.cumsum(a[..., ::-1], axis=-1)[..., ::-1]
     inv = np.empty(len(job.values), dtype=np.int64)
-    inv[job.order] = np.arange(len(job.values))
+    inv[job.order if order is None else order] = np.arange(len(job.values))
     return rev[..., inv + 1]
 
 

@@ -51,7 +51,7 @@ import numpy as np
 import polars as pl
 
 from .. import fast, pmath
-from ..rules import LOG_CLAMP
+from ..rules import LOG_CLAMP, Rule, fmt_value
 from .bins import Q_BUCKET_EDGES, JobBins, suffix
 from .jobs import Job
 from .m2po import seal_pool
@@ -263,9 +263,36 @@ def _job_data(tally, job: Job, cols: dict, gi: np.ndarray) -> dict[str, object]:
             data[k] = np.full(n_rows, np.nan)
     data["level"] = [rule.level] * n_rows
     data["kind"] = [rule.kind] * n_rows
-    specs = {v: rule.replace(**{param: v}).spec() for v in set(flat["value"].tolist())}
+    specs = value_specs(rule, param, set(flat["value"].tolist()))
     data["spec"] = [specs[v] for v in flat["value"].tolist()]  # once per value, not per group
     return data
+
+
+def value_specs(rule: Rule, param: str, values) -> dict[float, str]:
+    """`rule.replace(**{param: v}).spec()` for each of `values`. A rule whose class keeps
+    Rule's own replace, validation and spec is not rebuilt per value: the value is checked
+    as Rule.__post_init__ checks it (its parameter's domain; the others are the rule's, checked
+    when it was made), and the other parameters are formatted once -- the same text, ~6x
+    faster (the sweep table's specs: thousands of values, ~0.05 s a report)."""
+    cls = type(rule)
+    own = all(getattr(cls, f) is getattr(Rule, f) for f in ("__post_init__", "replace", "spec"))
+    if not own or cls.values is not Rule.values or param not in cls.param_names():
+        return {v: rule.replace(**{param: v}).spec() for v in values}
+    p = cls.param(param)
+    vals = rule.values()
+    names = list(vals)
+    at = names.index(param)
+    before = [f"{k}={fmt_value(vals[k])}" for k in names[:at] if vals[k] is not None]
+    after = [f"{k}={fmt_value(vals[k])}" for k in names[at + 1 :] if vals[k] is not None]
+    name = f"{rule.name}@{rule.preset}" if rule.preset else rule.name
+    out = {}
+    for v in values:
+        if v is None:  # the parameter left out, as spec() leaves a None out
+            out[v] = rule.replace(**{param: v}).spec()
+            continue
+        p.check(rule.name, float(v), f"rule '{rule.name}'")
+        out[v] = f"{name}:{','.join([*before, f'{param}={fmt_value(v)}', *after])}"
+    return out
 
 
 def _frame(data: dict[str, object]) -> pl.DataFrame:
