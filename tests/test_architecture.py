@@ -210,18 +210,17 @@ def test_the_public_api_resolves_lazily():
     assert int(out.stdout) >= 12
 
 
-def test_the_viz_package_loads_matplotlib_only_when_drawing():
-    """`jobs` is imported without matplotlib (a job imports the drawing modules in a thread
-    while the log is read: jobs._preload), and every name of viz's figure API resolves."""
+def test_the_viz_package_resolves_its_names_on_first_use():
+    """`import mismatch_replay.viz` (the figure helper process's first import) loads no
+    matplotlib; every name of the figure API resolves, in `dir()` too."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
-        "import mismatch_replay.viz.jobs as jobs, mismatch_replay.viz as viz\n"
+        "import mismatch_replay.viz as viz, mismatch_replay.viz.pool\n"
         "assert 'matplotlib' not in sys.modules\n"
-        "assert viz.FIGURES == jobs.FIGURES\n"
-        "assert 'matplotlib' not in sys.modules\n"
+        "assert viz.FIGURES[0] == 'scatter' and 'matplotlib' not in sys.modules\n"
         "missing = [n for n in viz.__all__ if getattr(viz, n, None) is None]\n"
         "assert not missing, missing\n"
         "assert 'matplotlib' in sys.modules\n"
@@ -238,19 +237,3 @@ def test_an_unknown_viz_name_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no_such_figure"):
         viz.no_such_figure  # noqa: B018
-
-
-def test_a_failed_preload_fails_where_the_module_is_taken():
-    """The import thread swallows its error; `_loaded` imports again and raises it."""
-    import importlib
-    import sys
-
-    from mismatch_replay.viz import jobs
-
-    name = "mismatch_replay.viz.no_such_module"
-    assert name not in sys.modules
-    t = jobs._preload("no_such_module")
-    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
-        jobs._loaded(t, "no_such_module")
-    assert not t.is_alive()
-    assert importlib.import_module("mismatch_replay.viz.names").FIGURES == jobs.FIGURES

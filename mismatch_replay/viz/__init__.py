@@ -22,8 +22,8 @@ and the caller's rcParams are left alone. The names below are the figure API (wh
 notebook uses); `jobs` and `report` are used as modules (`from mismatch_replay.viz import
 jobs; jobs.report(...)`), since `report` names both the page module and the job.
 
-The names are loaded on first use (`__getattr__`): `import mismatch_replay.viz.jobs` does not
-import matplotlib, so a job can import it in a thread while the log is read (jobs.py).
+The names are loaded on first use (`__getattr__`): importing the package, or a module of it
+that draws nothing (names, pool), imports no matplotlib.
 """
 
 from __future__ import annotations

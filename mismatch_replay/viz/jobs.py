@@ -9,8 +9,9 @@ assembly (`report.write_report`, with `report.decision_html` as its Decision sec
 which reads the log once for all of them (on the fused path; elsewhere the grouped
 tables take replays of their own), writes `sweep.csv` beside `index.html`, and drives one
 progress bar through every pass (`Stages`); `plot` and `report` start a `pool.FigurePool`
-(a second process that draws masked_fraction and masked_by_length; `report` sends it
-masked_fraction as soon as the sweep is counted) where the machine has two cores; `demo`
+(a second process that draws masked_fraction, which `report` sends it as soon as the
+sweep is counted) where the machine has two cores; `plot` and `report` run inside
+`gcpause.frozen()` (the collector's passes skip what existed before the job); `demo`
 writes that summary as inspect.json. A log without sequence ids gets no masked_by_length
 figure: `plot` warns (`FigureNote`), the report says so in the figure's place. They live
 here rather than in the CLI so that a notebook gets the same result with one call, and the
@@ -23,8 +24,6 @@ first pass over the log, so a refused call costs nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -36,7 +35,9 @@ from ..errors import UsageError
 from ..gcpause import frozen
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
 from . import pool
+from . import report as page
 from .names import FIGURES
+from .render import figures, render_all
 
 SAMPLE = "sample_drift.parquet"
 SWEEP_CSV = "sweep.csv"  # the report's sweep table, beside index.html
@@ -84,14 +85,12 @@ def plot(
     if fmt not in ("png", "svg", "pdf"):
         raise UsageError(f"--image-format {fmt}: use png, svg or pdf.")
     _refuse_existing(outdir, [f"{n}.{fmt}" for n in FIGURES], force)
-    loading = _preload("render")
     with _pool(figure_process) as helper:  # starts now: its imports overlap the replays
         data = analysis.figure_data(sources, settings, options=options, progress=progress)
         if data.by_length is None:
             warnings.warn(NO_LENGTH_NOTE, FigureNote, stacklevel=2)
         ensure_dir(outdir)
-        render = _loaded(loading, "render")
-        return render.render_all(
+        return render_all(
             data, outdir, fmt, target_fraction=target_fraction, force=force, pool=helper
         )
 
@@ -125,7 +124,6 @@ def report(
     # the float32 check's 2, and drawing the figures
     passes = 2 + (2 if precision == "float32" else 0)
     bar = Stages(progress, passes)
-    loading = _preload("report")
     with _pool(figure_process) as helper:  # starts now: its imports overlap the read
         got: dict = {}
         data, dec = analysis.report_data(
@@ -137,11 +135,8 @@ def report(
             progress=bar,
             precision=precision,
             summary=got,
-            on_sweep=None
-            if helper is None
-            else lambda t: _early(helper, _loaded(loading, "report"), t, target_fraction),
+            on_sweep=None if helper is None else lambda t: _early(helper, t, target_fraction),
         )
-        page = _loaded(loading, "report")
         summary = got["summary"]
         sections = [("Decision", page.decision_html(dec))]
         if precision == "float32":
@@ -167,34 +162,11 @@ def report(
         )
 
 
-def _early(helper: pool.FigurePool, page, table, target_fraction: float) -> None:
+def _early(helper: pool.FigurePool, table, target_fraction: float) -> None:
     """masked_fraction sent to the helper as soon as its sweep table exists (write_report's
     PNG at its resolution: `render_all` picks it up)."""
     kw = {"target_fraction": target_fraction}
     helper.send("masked_fraction", pool.Part(sweep=table), "png", page.DPI, kw)
-
-
-def _preload(module: str) -> threading.Thread:
-    """Import this package's `module` (render; report, which imports render) in a thread:
-    matplotlib and the figure modules (~0.3 s, mostly holding the GIL) then load while the
-    log is read, whose kernels and Parquet decoding release it. `_loaded` takes the module."""
-    t = threading.Thread(
-        target=_import_quietly, args=(module,), name="mismatch-replay-import", daemon=True
-    )
-    t.start()
-    return t
-
-
-def _import_quietly(module: str) -> None:
-    # an import that fails here fails again in `_loaded`, where the caller sees it
-    with contextlib.suppress(Exception):
-        importlib.import_module(f"{__package__}.{module}")
-
-
-def _loaded(loading: threading.Thread, module: str):
-    """The module `_preload` imports (waiting for its thread)."""
-    loading.join()
-    return importlib.import_module(f"{__package__}.{module}")
 
 
 def _pool(figure_process: bool | None):
@@ -265,8 +237,6 @@ def demo(
         outdir / "inspect.json", lambda t: t.write_text(to_json(summary.to_dict()) + "\n"), force
     )
     out = {"inspect": inspect_json, "sweep": outdir / SWEEP_CSV, "report": index}
-    from .render import figures  # imported by report already
-
     out |= {n: outdir / f"{n}.png" for n in figures(keep["data"])}
     return out
 

@@ -1,8 +1,8 @@
 """The figures' names and file formats, apart from the modules that draw them.
 
 A job checks its targets (`jobs._refuse_existing`) before the first pass over the log, and
-that needs only these names; the drawing modules import matplotlib (~0.3 s), which `jobs`
-imports in a thread while the log is read (`jobs._preload`). render.py re-exports both.
+the figure helper process (pool.py) starts by importing this package: both need only these
+names, not the drawing modules, which import matplotlib (~0.3 s). render.py re-exports both.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ chosen settings: `scatter_kwargs`; masked_by_length needs `data.by_length`, abse
 log has no sequence ids, and a note says so). `render_all` checks the format and every
 target before drawing anything (an existing file is refused unless `force`), then builds and
 writes the figures one at a time, so at most one Figure is alive; given a `pool.FigurePool`,
-its helper process draws masked_fraction and masked_by_length meanwhile (pool.py). `save` writes
+its helper process draws masked_fraction meanwhile (pool.py). `save` writes
 one figure through `output.atomic_write` (a hidden temporary file in the same folder, then
 an exclusive publish unless `force`) with fixed metadata: no creation date in SVG or PDF,
 the version in PNG.
