@@ -6,10 +6,11 @@ A full pass of CPython's collector walks every tracked object of the process, an
 numba, polars and matplotlib are imported that is a few hundred thousand objects: 0.05-0.15 s
 a pass, two or three of them in a report. Two tools (tests/test_gcpause.py):
 
-* `frozen()`, around a whole job (`viz.jobs.report` and `plot`): the objects that exist when
-  the job starts go to the collector's permanent generation (`gc.freeze`) and come back when
-  it ends (`gc.unfreeze`), so the passes in between walk only what the job made, and still
-  free its cyclic garbage as they go. Only the outermost job of the process freezes (a
+* `frozen()`, around a whole job (`engine.sweep`, `analysis.choose` and `compare`,
+  `viz.jobs.report` and `plot`, and so the commands that run them): the objects that exist
+  when the job starts go to the collector's permanent generation (`gc.freeze`) and come
+  back when it ends (`gc.unfreeze`), so the passes in between walk only what the job made,
+  and still free its cyclic garbage as they go. Only the outermost job of the process freezes (a
   depth count, under a lock, for jobs in threads), and none where something else froze
   objects already (`gc.get_freeze_count()`): their freeze is theirs to undo.
 * `paused()` (a context and a decorator), around building or drawing one figure: the

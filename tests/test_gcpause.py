@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -107,4 +108,28 @@ def test_the_jobs_run_frozen(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         jobs.report([tmp_path / "x.parquet"], tmp_path / "out", command="t", figure_process=False)
     assert seen and seen[0] > 1000
+    assert gc.get_freeze_count() == 0
+
+
+GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
+
+
+@pytest.mark.parametrize("job", ["sweep", "choose", "compare", "plot"])
+def test_the_library_jobs_run_frozen(job, monkeypatch, tmp_path):
+    """engine.sweep, analysis.choose and compare, viz.jobs.plot freeze what they find once
+    (the outermost job: the calls inside them do not freeze again) and give it back."""
+    from mismatch_replay import analysis, engine
+    from mismatch_replay.viz import jobs
+
+    calls = []
+    real_freeze, real_unfreeze = gc.freeze, gc.unfreeze
+    monkeypatch.setattr(gcpause.gc, "freeze", lambda: (calls.append("freeze"), real_freeze()))
+    monkeypatch.setattr(gcpause.gc, "unfreeze", lambda: (calls.append("unfreeze"), real_unfreeze()))
+    {
+        "sweep": lambda: engine.sweep([GOLDEN]),
+        "choose": lambda: analysis.choose([GOLDEN], 0.01, ["ipo"], bootstrap=20),
+        "compare": lambda: analysis.compare([GOLDEN], "ipo", "icepop", budget=0.01),
+        "plot": lambda: jobs.plot([GOLDEN], tmp_path / "p", figure_process=False),
+    }[job]()
+    assert calls == ["freeze", "unfreeze"]
     assert gc.get_freeze_count() == 0

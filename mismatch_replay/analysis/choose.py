@@ -53,6 +53,7 @@ import numpy as np
 from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
+from ..gcpause import frozen
 from ..rules import REGISTRY, Rule, parse_rule
 from .search import (
     REFINE_POINTS,
@@ -155,6 +156,7 @@ def _boot_grid(s: Search, c: tuple) -> np.ndarray:
     return np.unique(np.r_[grid_between(lo, hi, BOOT_COLUMNS), c[0]])
 
 
+@frozen()  # a whole job: the collector's passes skip what it found (gcpause.py)
 def choose(
     sources: Sequence[str | Path],
     target_fraction: float | None = None,

@@ -38,6 +38,7 @@ import numpy as np
 from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
+from ..gcpause import frozen
 from ..rules import Rule, TokenBatch, parse_grid, parse_rule
 from .search import Search, first_replay, refine, tail_fraction
 from .tail_counts import TailCounts
@@ -186,6 +187,7 @@ def _budget_rules(
     return out, tally
 
 
+@frozen()  # a whole job: the collector's passes skip what it found (gcpause.py)
 def compare(
     sources: Sequence[str | Path],
     rule_a: str | Rule,

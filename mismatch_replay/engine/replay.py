@@ -28,6 +28,7 @@ import numpy as np
 import polars as pl
 
 from ..errors import DataError, UsageError
+from ..gcpause import frozen
 from ..ingest import Plan, ReadOptions, iter_batches, plan_sources, step_bounds
 from ..rules import Rule, spec_warnings
 from . import ray as ray_engine
@@ -301,6 +302,7 @@ def replay_together(
     return [t for t, _, _ in built]
 
 
+@frozen()  # a whole job: the collector's passes skip what it found (gcpause.py)
 def sweep(*args, **kwargs) -> SweepResult:
     """`replay(..., final=True)` then the sweep table (see `replay` for the arguments)."""
     kwargs.setdefault("final", True)
