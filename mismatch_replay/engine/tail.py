@@ -139,34 +139,44 @@ class Tail:
             )
             self.parts.clear()
             return
-        part = {"lp": lp[idx], "lq": lq[idx], "bits": bits, "row": idx + (self.tokens - df.height)}
+        src = {"lp": lp, "lq": lq}
         if adv is not None:
-            part["advantage"] = adv[idx]
+            src["advantage"] = adv
         if seq is not None:
-            part["seq"] = seq[idx]
+            src["seq"] = seq
         for c in self.extra:
             if c in df.columns:
-                part[c] = df[c].to_numpy()[idx]
-        self._append(part)
+                src[c] = df[c].to_numpy()
+        self._append(idx, bits, self.tokens - df.height, src)
 
-    def _append(self, part: dict[str, np.ndarray]) -> None:
-        """Copy a batch's kept tokens into the buffers (capacity doubled as needed): the
+    def _append(self, idx: np.ndarray, bits: np.ndarray, first: int, src: dict) -> None:
+        """Gather a batch's kept tokens `idx` of each column in `src` (and their bits and
+        rows: idx + first) straight into the buffers, their capacity doubled as needed: the
         copying, and the first touch of the buffers' pages, happen during the replay, batch
         by batch, not in one concatenation when the first consumer asks (~0.1 s at 20M)."""
-        n = next(iter(part.values())).shape[0]
+        n = idx.shape[0]
         end = self.kept + n
-        if self.parts and set(self.parts[0]) != set(part):
+        dtypes = {"bits": bits.dtype, "row": idx.dtype, **{k: v.dtype for k, v in src.items()}}
+        if self.parts and set(self.parts[0]) != set(dtypes):
             raise ValueError("Tail.add: every batch must keep the same columns")
         if not self.parts or end > self._cap:
             cap = max(end, 2 * self._cap, 4 * n)
             old = self.parts[0] if self.parts else {}
-            buf = {k: np.empty(cap, dtype=v.dtype) for k, v in part.items()}
+            types = {k: v.dtype for k, v in old.items()} or dtypes  # the first batch's
+            buf = {k: np.empty(cap, dtype=t) for k, t in types.items()}
             for k, v in old.items():
                 buf[k][: self.kept] = v[: self.kept]
             self.parts = [buf]
             self._cap = cap
-        for k, v in part.items():
-            self.parts[0][k][self.kept : end] = v
+        buf = self.parts[0]
+        at = slice(self.kept, end)
+        buf["bits"][at] = bits
+        np.add(idx, first, out=buf["row"][at], casting="unsafe")
+        for k, v in src.items():
+            if v.dtype == buf[k].dtype:
+                np.take(v, idx, out=buf[k][at], mode="clip")  # (raise: buffered, slower)
+            else:  # a column whose type changed between batches: cast as an assignment does
+                buf[k][at] = v[idx]
         self.kept = end
         self._joined = None
 
