@@ -4,6 +4,7 @@ Usage:
     python benchmarks/decisions_bench.py --tokens 2e6            # quick
     python benchmarks/decisions_bench.py                         # 20M tokens (0.3 GB, made once)
     python benchmarks/decisions_bench.py --tokens 50e6 --repeat 1 --json out.json
+    python benchmarks/decisions_bench.py --trees /tmp/before . --repeat 4   # before/after
 
 Every workload runs in a fresh process (`python decisions_bench.py --run NAME FILE`), as the
 command line would, and the repeats are interleaved (floor, sweep, choose, ..., then again), so
@@ -19,6 +20,11 @@ kept. Only the ratios measured in one run mean anything (benchmarks/README.md):
             --budget`)
   report    `viz.jobs.report(file, DIR)`: inspect, sweep, figures, choose, compare, drift, the
             page (the CLI's `report`)
+
+`--trees A B ...`: every workload once per tree in each round (PYTHONPATH set to the tree,
+e.g. a `git worktree` of an earlier commit; the trees alternate within a workload), one
+table per tree and its ratios to its own sweep: only timings taken side by side compare
+code on this shared machine.
 """
 
 from __future__ import annotations
@@ -75,9 +81,13 @@ def _child(name: str, path: str) -> None:
     print(json.dumps(out))
 
 
-def _spawn(name: str, path: Path) -> dict:
+def _spawn(name: str, path: Path, tree: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--run", name, str(path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ))
+    env = dict(os.environ)
+    if tree is not None:  # that tree's mismatch_replay first on the path
+        rest = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(tree) if not rest else os.pathsep.join([str(tree), rest])
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
         raise SystemExit(f"{name} failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -89,6 +99,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="interleaved rounds; best is kept")
     ap.add_argument("--only", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--trees", nargs="+", type=Path, default=None, help="source trees to compare")
     ap.add_argument("--run", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.run:
@@ -106,26 +117,40 @@ def main() -> None:
     small = DATA / "log_2000000.parquet"
     _spawn("sweep", small if small.exists() else path)  # numba's cache loaded once
     names = [w for w in WORKLOADS if w in a.only]
-    runs: dict[str, list[dict]] = {w: [] for w in names}
+    trees = [t.resolve() for t in a.trees] if a.trees else [None]
+    if a.trees:
+        for t in trees:  # numba compiles a tree's kernels on its first run: not timed
+            _spawn("sweep", small if small.exists() else path, t)
+    runs = {t: {w: [] for w in names} for t in trees}
     load = os.getloadavg()[0]
     for _ in range(a.repeat):
         for w in names:
-            runs[w].append(_spawn(w, path))
-    best = {w: min(r, key=lambda d: d["seconds"]) for w, r in runs.items()}
+            for t in trees:
+                runs[t][w].append(_spawn(w, path, t))
+    print(f"tokens {n:,}; {os.cpu_count()} cores, load average {load:.1f} at start")
+    out = {"tokens": n, "load": load, "trees": {}}
+    for t in trees:
+        best = {w: min(r, key=lambda d: d["seconds"]) for w, r in runs[t].items()}
+        if t is not None:
+            print(f"\n{t}")
+        _table(best, {w: [d["seconds"] for d in r] for w, r in runs[t].items()})
+        out["trees"][str(t or ".")] = {"runs": runs[t], "best": best}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+
+
+def _table(best: dict, walls: dict) -> None:
     floor = best.get("floor", {}).get("seconds")
     sweep = best.get("sweep", {}).get("seconds")
-    print(f"tokens {n:,}; {os.cpu_count()} cores, load average {load:.1f} at start")
-    print(f"{'workload':10s} {'wall s':>8s} {'cpu s':>8s} {'x sweep':>8s} {'x floor':>8s} RSS")
+    head = f"{'workload':10s} {'wall s':>8s} {'median':>8s} {'cpu s':>8s} {'x sweep':>8s}"
+    print(f"{head} {'x floor':>8s} RSS")
     for w, r in best.items():
         xs = f"{r['seconds'] / sweep:8.2f}" if sweep else f"{'':8s}"
         xf = f"{r['seconds'] / floor:8.1f}" if floor else f"{'':8s}"
+        med = sorted(walls[w])[len(walls[w]) // 2]
         print(
-            f"{w:10s} {r['seconds']:8.2f} {r['cpu_seconds']:8.2f} {xs} {xf} "
+            f"{w:10s} {r['seconds']:8.2f} {med:8.2f} {r['cpu_seconds']:8.2f} {xs} {xf} "
             f"{r['peak_rss_gib']:.2f} G"
-        )
-    if a.json:
-        a.json.write_text(
-            json.dumps({"tokens": n, "load": load, "runs": runs, "best": best}, indent=2)
         )
 
 
