@@ -18,7 +18,6 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator
 from PIL import Image
 
-from mismatch_replay import gcpause
 from mismatch_replay.viz import groups, style
 
 DPI = 40
@@ -79,26 +78,6 @@ def test_steady_ticks_follows_a_new_view(computed):
         ax.set_xlim(0, 50)
         moved = [t.get_loc() for t in ax.xaxis._update_ticks()]
     assert len(computed) == 2 and max(moved) > max(first)
-
-
-def test_gc_paused_restores_the_collector():
-    assert gc.isenabled()
-    with gcpause.paused():
-        assert not gc.isenabled()
-        with gcpause.paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # the outer pause holds
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with gcpause.paused():
-            pass
-        assert not gc.isenabled()  # off before: left off
-    finally:
-        gc.enable()
-    with pytest.raises(RuntimeError), gcpause.paused():
-        raise RuntimeError
-    assert gc.isenabled()
 
 
 def test_a_figure_is_built_with_the_collector_paused(monkeypatch):

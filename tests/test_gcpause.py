@@ -91,6 +91,9 @@ def test_paused_restores_the_collector_as_it_was():
         assert not gc.isenabled()  # it was off: it stays off
     finally:
         gc.enable()
+    with pytest.raises(RuntimeError), gcpause.paused():
+        raise RuntimeError
+    assert gc.isenabled()
 
 
 def test_the_jobs_run_frozen(tmp_path, monkeypatch):
