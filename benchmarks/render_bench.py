@@ -106,8 +106,8 @@ def measure(data, out: Path, fmt: str, rounds: int, dpi: int) -> dict:
 
 
 def measure_pool(data, out: Path, fmt: str, rounds: int, dpi: int) -> dict:
-    """render_all alone and with a `pool.FigurePool` (its helper draws masked_fraction and
-    masked_by_length), alternating for `rounds` rounds after one warm-up call of each (the
+    """render_all alone and with a `pool.FigurePool` (its helper draws `pool.OFFLOAD`,
+    masked_fraction), alternating for `rounds` rounds after one warm-up call of each (the
     helper's imports, as a report pays them during its read): best wall seconds of each and
     their ratio. `report` sends masked_fraction earlier still (while choose runs): not here."""
     from mismatch_replay.viz import pool, render_all
