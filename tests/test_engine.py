@@ -799,3 +799,33 @@ def test_replay_together_gives_each_tally_its_own_replay(tmp_path):
     assert sum(seen) == df.filter(pl.col("loss_mask")).height == full.report.loss_rows
     with pytest.raises(UsageError, match="replay of its own"):
         engine.replay_together([path], [{"rules": rules, "match": "prime-rl"}])
+
+
+def test_replay_together_runs_its_observers_in_the_reader_thread_in_order(tmp_path):
+    """The observers see every non-empty batch once, in input order, in the reader's thread
+    (not the one feeding the Tallies); an observer's error ends the read in the caller."""
+    import threading
+
+    from conftest import random_log
+
+    df = random_log(np.random.default_rng(3), steps=6, seqs=20)
+    path = tmp_path / "log.parquet"
+    df.write_parquet(path, row_group_size=300)
+    main = threading.get_ident()
+    seen = []
+
+    def watch(d):
+        seen.append((threading.get_ident(), d["step"].to_list()[0], d.height))
+
+    opts = ingest.ReadOptions(batch_rows=300)
+    engine.replay_together([path], [{"rules": ["ipo"]}], options=opts, observers=[watch])
+    assert len(seen) > 2 and all(t != main for t, _, _ in seen)
+    steps = [s for _, s, _ in seen]
+    assert steps == sorted(steps)  # the log is in step order: so are the batches seen
+    assert sum(h for _, _, h in seen) == df.filter(pl.col("loss_mask")).height
+
+    def fail(d):
+        raise RuntimeError("observer failed")
+
+    with pytest.raises(RuntimeError, match="observer failed"):
+        engine.replay_together([path], [{"rules": ["ipo"]}], options=opts, observers=[fail])

@@ -219,13 +219,12 @@ def _stream(plan, parts, progress, final: bool, observers) -> list[int]:
     try:
         checked = False
         batches = ((df, report.rows) for _, df in iter_batches(plan, cols, report))
+        if observers:  # in the reader's thread, which waits for this one most of the time
+            batches = _observed(batches, observers)
         for df, rows in stream.prefetch(batches):  # rows: raw rows read up to this batch
             if df.height and not checked:  # are the two columns about the same tokens?
                 checked = True
                 stream.warn_alignment(plan, df)
-            for obs in observers:
-                if df.height:
-                    obs(df)
             for k, (tally, tcols, keep) in enumerate(parts):
                 part = df if len(parts) == 1 and tcols == cols else df.select(tcols)
                 if keep is not None:
@@ -300,6 +299,18 @@ def replay_together(
     for (tally, _, _), w in zip(built, warned, strict=True):
         tally.rule_warnings = w
     return [t for t, _, _ in built]
+
+
+def _observed(batches, observers):
+    """`batches` with every observer called on each non-empty batch, in order, as the
+    batch is made: inside `stream.prefetch`'s reader thread, so that the observers (inspect's
+    checks: numba kernels that release the GIL) run while this thread feeds the Tallies.
+    They only accumulate; an error is raised in the replay's thread, in order (prefetch)."""
+    for df, rows in batches:
+        if df.height:
+            for obs in observers:
+                obs(df)
+        yield df, rows
 
 
 @frozen()  # a whole job: the collector's passes skip what it found (gcpause.py)
