@@ -31,10 +31,12 @@ buffers, written so that LLVM vectorizes them (no fast-math: the bits are the re
 Imported only once `fast.compiled()` has started numba (the numba backend); with the backend
 forced to numpy the checks run their polars (and numpy) code. The signatures are declared
 (readonly C arrays, so that zero-copy polars buffers and copies share one compiled version)
-and cached next to the module like fast/jit.py's kernels; keys arrive as int64. Unlike
-fast/jit.py's they keep the GIL: each runs about a millisecond in the main thread, and a
-call that releases the GIL for so little then waits to get it back behind the read-ahead
-thread (inside inspect's read the alignment check took about twice the wall time).
+and cached next to the module like fast/jit.py's kernels; keys arrive as int64. They run
+in the read-ahead thread (canonical's validation, and inspect's checks as the replay's
+observers: engine/replay.py `_observed`) and release the GIL, so the thread that feeds the
+Tallies is not held up behind them. (When they ran in that thread themselves they kept the
+GIL: a call that released it for about a millisecond then waited to get it back behind
+the read-ahead thread.)
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _key(u):
     return u ^ ((u >> 63) & _ABS)
 
 
-@njit(types.void(_i64, _i64, _oi), cache=True)
+@njit(types.void(_i64, _i64, _oi), cache=True, nogil=True)
 def column_stats(ua, ub, out):
     """out[N, EQUAL, ZT, ZI]: the rows, lp == lq, lp == 0, lq == 0 for lp and lq given by
     their bits (ua, ub: the float64 arrays viewed as int64); ZT_NEG, ZI_NEG: the zeros that
@@ -121,7 +123,7 @@ def _neumaier(s, c, x):
     return t, c
 
 
-@njit(types.int64(_i64, _i64, _i64, types.boolean, _f64, _f64, _ob, _of), cache=True)
+@njit(types.int64(_i64, _i64, _i64, types.boolean, _f64, _f64, _ob, _of), cache=True, nogil=True)
 def lag_sums(step, sid, pos, has_pos, lp, lq, adj, out):
     """The pairs (t, t + 1) of rows of one sequence: step[t + 1] == step[t] and sid[t + 1]
     == sid[t] (a log without step passes sid twice), and with has_pos pos[t + 1] == pos[t]
@@ -172,7 +174,7 @@ def lag_sums(step, sid, pos, has_pos, lp, lq, adj, out):
     return pairs
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _blocks(step, sid, pos, flag, blo, bhi):
     """For each whole block b of RUN_BLOCK rows: flag[b] whether its rows share one (step,
     sid), blo[b] and bhi[b] its lowest and highest position (a loop LLVM vectorizes)."""
@@ -202,7 +204,7 @@ def _emit(o_step, o_sid, o_n, o_lo, o_hi, r, step, sid, rows, lo, hi):
     o_hi[r] = hi
 
 
-@njit(types.int64(_i64, _i64, _i64, types.int64, _oi, _oi, _oi, _oi, _oi), cache=True)
+@njit(types.int64(_i64, _i64, _i64, types.int64, _oi, _oi, _oi, _oi, _oi), cache=True, nogil=True)
 def seq_runs(step, sid, pos, limit, o_step, o_sid, o_n, o_lo, o_hi):
     """The runs of rows of equal (step, sid): run r has step o_step[r] and sid o_sid[r] and
     holds o_n[r] rows, positions o_lo[r] to o_hi[r]. Returns the number of runs, or -1 when
