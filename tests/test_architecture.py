@@ -194,17 +194,10 @@ def test_every_module_opens_with_a_docstring():
     assert not missing, f"modules without a docstring: {missing}"
 
 
-def _run(code: str) -> str:
-    """`code` run by a fresh interpreter (nothing imported yet): its stdout."""
+def test_the_public_api_resolves_lazily():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def test_the_public_api_resolves_lazily():
     code = (
         "import sys, mismatch_replay as m\n"
         "assert 'polars' not in sys.modules and 'numpy' not in sys.modules\n"
@@ -212,28 +205,6 @@ def test_the_public_api_resolves_lazily():
         "assert all(callable(getattr(m, n)) for n in names), names\n"
         "print(len(names))\n"
     )
-    assert int(_run(code)) >= 12
-
-
-def test_the_viz_package_resolves_its_names_on_first_use():
-    """`import mismatch_replay.viz` (the figure helper process's first import) loads no
-    matplotlib; every name of the figure API resolves, in `dir()` too."""
-    code = (
-        "import sys\n"
-        "import mismatch_replay.viz as viz, mismatch_replay.viz.pool\n"
-        "assert 'matplotlib' not in sys.modules\n"
-        "assert viz.FIGURES[0] == 'scatter' and 'matplotlib' not in sys.modules\n"
-        "missing = [n for n in viz.__all__ if getattr(viz, n, None) is None]\n"
-        "assert not missing, missing\n"
-        "assert 'matplotlib' in sys.modules\n"
-        "assert set(viz.__all__) <= set(dir(viz))\n"
-        "print(len(viz.__all__))\n"
-    )
-    assert int(_run(code)) >= 25
-
-
-def test_an_unknown_viz_name_is_an_attribute_error():
-    import mismatch_replay.viz as viz
-
-    with pytest.raises(AttributeError, match="no_such_figure"):
-        viz.no_such_figure  # noqa: B018
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 12

@@ -21,68 +21,16 @@ the rules' own) and returns a matplotlib Figure built without pyplot: headless, 
 and the caller's rcParams are left alone. The names below are the figure API (what a
 notebook uses); `jobs` and `report` are used as modules (`from mismatch_replay.viz import
 jobs; jobs.report(...)`), since `report` names both the page module and the job.
-
-The names are loaded on first use (`__getattr__`): importing the package, or a module of it
-that draws nothing (names, pool), imports no matplotlib.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
-
-# name -> the module (of this package) that defines it
-_WHERE = {
-    "FAMILIES": "curves",
-    "OTHER": "curves",
-    "Family": "curves",
-    "family_of": "curves",
-    "masked_fraction": "curves",
-    "bucket_labels": "groups",
-    "masked_by_length": "groups",
-    "steps": "groups",
-    "where_masked": "groups",
-    "scatter": "plane",
-    "scatter_panels": "plane",
-    "FIGURES": "names",
-    "FORMATS": "names",
-    "figures": "render",
-    "render_all": "render",
-    "save": "render",
-    "scatter_kwargs": "render",
-    "OKABE_ITO": "style",
-    "TOL_MUTED": "style",
-    "display_name": "style",
-    "preset_names": "style",
-    "rule_color": "style",
-    "spec_label": "style",
-    "preset_points": "tables",
-    "sweep_lines": "tables",
-    "ungrouped": "tables",
-}
-
-if TYPE_CHECKING:
-    from .curves import FAMILIES, OTHER, Family, family_of, masked_fraction
-    from .groups import bucket_labels, masked_by_length, steps, where_masked
-    from .names import FIGURES, FORMATS
-    from .plane import scatter, scatter_panels
-    from .render import figures, render_all, save, scatter_kwargs
-    from .style import OKABE_ITO, TOL_MUTED, display_name, preset_names, rule_color, spec_label
-    from .tables import preset_points, sweep_lines, ungrouped
-
-
-def __getattr__(name: str):
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
-    globals()[name] = value  # found here from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
-
+from .curves import FAMILIES, OTHER, Family, family_of, masked_fraction
+from .groups import bucket_labels, masked_by_length, steps, where_masked
+from .plane import scatter, scatter_panels
+from .render import FIGURES, FORMATS, figures, render_all, save, scatter_kwargs
+from .style import OKABE_ITO, TOL_MUTED, display_name, preset_names, rule_color, spec_label
+from .tables import preset_points, sweep_lines, ungrouped
 
 __all__ = [
     "FAMILIES",

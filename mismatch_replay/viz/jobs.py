@@ -36,8 +36,7 @@ from ..gcpause import frozen
 from ..output import atomic_write, ensure_dir, exists, to_json, write_table
 from . import pool
 from . import report as page
-from .names import FIGURES
-from .render import figures, render_all
+from .render import FIGURES, figures, render_all
 
 SAMPLE = "sample_drift.parquet"
 SWEEP_CSV = "sweep.csv"  # the report's sweep table, beside index.html

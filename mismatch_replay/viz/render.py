@@ -41,7 +41,6 @@ from ..gcpause import paused as gc_paused
 from ..output import atomic_write, ensure_dir
 from .curves import masked_fraction
 from .groups import masked_by_length, steps, where_masked
-from .names import FIGURES, FORMATS  # noqa: F401  (FIGURES re-exported: render.FIGURES)
 from .plane import scatter_panels
 from .style import AggCanvas, agg_canvas, steady_ticks
 
@@ -59,6 +58,8 @@ class Helper(Protocol):
     def result(self, name: str) -> bytes | None: ...  # None: draw it here
 
 
+FIGURES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
+FORMATS = ("png", "svg", "pdf")
 # zlib level of the PNGs: 3 encodes in 0.7x the time of the default 6, the files 3-10%
 # larger, the pixels the same
 PNG_COMPRESS_LEVEL = 3
