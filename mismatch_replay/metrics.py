@@ -34,6 +34,9 @@ import polars as pl
 from . import pmath
 from .rules import TokenBatch
 
+# --by q_bucket: inference-probability buckets, labelled by their lower edge (the engine
+# groups by them, the figures label them: here, below both)
+Q_BUCKET_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
 VAR_FLOOR = 1e-9  # a variance below this share of the second moment counts as zero
 
 _SUMS = (

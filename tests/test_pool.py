@@ -240,3 +240,21 @@ def test_report_sends_masked_fraction_once_as_soon_as_the_sweep_exists(tmp_path,
     assert events[:2] == ["send masked_fraction", "choose"]
     assert events.count("send masked_fraction") == 1 and len(events) == 2  # sent once, early
     assert "masked_fraction" not in seen and (tmp_path / "masked_fraction.png").exists()
+
+
+def test_the_helper_imports_the_figures_but_no_engine():
+    """The helper's imports run while the caller replays the log, on the core the replay
+    would use: it loads matplotlib and the figure modules, not the engine, ingest or numba
+    (~0.1 s of that core at 20M tokens; groups.py takes the q buckets from metrics)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import mismatch_replay.viz.render; "
+        "print(sorted(m for m in ('mismatch_replay.engine', 'mismatch_replay.ingest', "
+        "'mismatch_replay.analysis', 'numba') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"

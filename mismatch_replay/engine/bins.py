@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import fast, pmath
+from ..metrics import Q_BUCKET_EDGES  # --by q_bucket (the figures read it there too)
 
-# --by q_bucket: inference-probability buckets, labelled by their lower edge.
-Q_BUCKET_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)
 # The scatter: fixed 2-D histograms of (q, p), additive like everything else in a Tally.
 SCATTER_BINS = 200
 SCATTER_LOG10_MIN = -8.0  # log panel spans 1e-8 .. 1; smaller probabilities go to the edge bin

@@ -182,6 +182,8 @@ def _local_tally(plan, jobs, notes, by, match, bootstrap, robust, tail, precisio
         tally.seq_keys = dict(pre[0])
     tally.robust = robust
     tally.tail = tail
+    if tail is not None:  # its buffers sized once from the first batch (Tail.expected)
+        tail.expected = max(tail.expected, sum(plan.rows))
     if bootstrap is not None:
         tally.boot_replicates, tally.boot_unit, tally.boot_seed = bootstrap
         if tally.boot_unit == "sequence" and not tally.has_seq:

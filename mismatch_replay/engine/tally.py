@@ -245,7 +245,9 @@ class Tally(Leading):
     def _run_codes(self, x: np.ndarray) -> np.ndarray | None:
         """Group codes of an integer column by its runs (a step column holds a few long
         ones): groups registered by first appearance, as the general path registers them;
-        None where the runs are short (the general path is faster)."""
+        None where the runs are short (the general path is faster). The codes are this
+        Tally's scratch, valid until its next batch (nothing keeps a batch's codes past
+        it: m2po's store copies them)."""
         if x.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
         starts = np.r_[0, np.flatnonzero(x[1:] != x[:-1]) + 1]
@@ -258,7 +260,14 @@ class Tally(Leading):
                 gi = self._gidx[v] = len(self.groups)
                 self.groups.append(v)
             codes[k] = gi
-        return np.repeat(codes, np.diff(np.r_[starts, x.shape[0]]))
+        out = self._scratch.get("run_codes")  # reused: a fresh array per batch cost its pages
+        if out is None or out.shape[0] < x.shape[0]:
+            out = self._scratch["run_codes"] = np.empty(x.shape[0], dtype=np.int64)
+        out = out[: x.shape[0]]
+        ends = [*starts[1:].tolist(), x.shape[0]]
+        for a, b, c in zip(starts.tolist(), ends, codes.tolist(), strict=True):
+            out[a:b] = c
+        return out
 
     def _q_bucket_codes(self, lq: np.ndarray) -> np.ndarray:
         """--by q_bucket: each token's group, its q's bucket (bins.q_bucket; on the fused

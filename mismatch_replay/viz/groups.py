@@ -6,7 +6,7 @@ Each figure draws a grouped table that the replay already counted, never tokens:
 the per-step metrics (`FigureData.step_metrics`, the k3 token mean) over each chosen
 setting's per-step masked fraction (`FigureData.steps`); `where_masked` the per-bucket
 table (`FigureData.buckets`, buckets of the inference probability q at
-`engine.Q_BUCKET_EDGES`) as grouped bars; `masked_by_length` a `--by length` sweep table,
+`metrics.Q_BUCKET_EDGES`) as grouped bars; `masked_by_length` a `--by length` sweep table,
 one line per setting over buckets [2^k, 2^(k+1)) of loss tokens per sequence.
 
 A setting keeps its rule's colour (`style.rule_color`; `colors` overrides) and a second
@@ -30,9 +30,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..engine import Q_BUCKET_EDGES
 from ..errors import UsageError
 from ..gcpause import paused as gc_paused
+from ..metrics import Q_BUCKET_EDGES  # not engine's: a figure process imports no engine
 from .style import (
     LABEL,
     NOTE,
