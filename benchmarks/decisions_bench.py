@@ -18,8 +18,15 @@ kept. Only the ratios measured in one run mean anything (benchmarks/README.md):
             (the CLI's `choose -t 0.0025`)
   compare   `analysis.compare(file, "ipo", "icepop@prime-rl", budget=0.0025)` (`compare
             --budget`)
+  data      `analysis.report_data(file, ...)`: the report without its drawing: its one read
+            (sweep, choose's tail, drift's per-step Tally, inspect's checks), its decisions
+            and every figure's data
   report    `viz.jobs.report(file, DIR)`: inspect, sweep, figures, choose, compare, drift, the
             page (the CLI's `report`)
+
+"cpu s" is this process's CPU; "+helper" adds its children's (the report's figure process),
+what the machine's cores had to give the job: on 2 cores, (cpu + helper) / 2 is the least
+wall time the job could take however well its work overlapped.
 
 `--trees A B ...`: every workload once per tree in each round (PYTHONPATH set to the tree,
 e.g. a `git worktree` of an earlier commit; the trees alternate within a workload), one
@@ -40,7 +47,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "_data"
-WORKLOADS = ("floor", "sweep", "choose", "compare", "report")
+WORKLOADS = ("floor", "sweep", "choose", "compare", "data", "report")
 
 
 def _child(name: str, path: str) -> None:
@@ -66,6 +73,10 @@ def _child(name: str, path: str) -> None:
         from mismatch_replay import analysis
 
         analysis.compare([path], "ipo", "icepop@prime-rl", budget=0.0025)
+    elif name == "data":
+        from mismatch_replay import analysis
+
+        analysis.report_data([path], None, 0.0025, bootstrap=200, summary={})
     elif name == "report":
         from mismatch_replay.viz import jobs
 
@@ -76,6 +87,10 @@ def _child(name: str, path: str) -> None:
     out = {
         "seconds": time.perf_counter() - t,
         "cpu_seconds": time.process_time() - c,
+        "child_cpu_seconds": sum(
+            getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f)
+            for f in ("ru_utime", "ru_stime")
+        ),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
     print(json.dumps(out))
@@ -142,14 +157,15 @@ def main() -> None:
 def _table(best: dict, walls: dict) -> None:
     floor = best.get("floor", {}).get("seconds")
     sweep = best.get("sweep", {}).get("seconds")
-    head = f"{'workload':10s} {'wall s':>8s} {'median':>8s} {'cpu s':>8s} {'x sweep':>8s}"
-    print(f"{head} {'x floor':>8s} RSS")
+    head = f"{'workload':10s} {'wall s':>8s} {'median':>8s} {'cpu s':>8s} {'+helper':>8s}"
+    print(f"{head} {'x sweep':>8s} {'x floor':>8s} RSS")
     for w, r in best.items():
         xs = f"{r['seconds'] / sweep:8.2f}" if sweep else f"{'':8s}"
         xf = f"{r['seconds'] / floor:8.1f}" if floor else f"{'':8s}"
         med = sorted(walls[w])[len(walls[w]) // 2]
         print(
-            f"{w:10s} {r['seconds']:8.2f} {med:8.2f} {r['cpu_seconds']:8.2f} {xs} {xf} "
+            f"{w:10s} {r['seconds']:8.2f} {med:8.2f} {r['cpu_seconds']:8.2f} "
+            f"{r['cpu_seconds'] + r.get('child_cpu_seconds', 0.0):8.2f} {xs} {xf} "
             f"{r['peak_rss_gib']:.2f} G"
         )
 
