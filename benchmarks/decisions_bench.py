@@ -26,7 +26,9 @@ kept. Only the ratios measured in one run mean anything (benchmarks/README.md):
 
 "cpu s" is this process's CPU; "+helper" adds its children's (the report's figure process),
 what the machine's cores had to give the job: on 2 cores, (cpu + helper) / 2 is the least
-wall time the job could take however well its work overlapped.
+wall time the job could take however well its work overlapped. Below the table, the
+report's drawing: the wall seconds from the end of its read and decisions (`report_data`
+returning) to the end (figures and page, in both processes).
 
 `--trees A B ...`: every workload once per tree in each round (PYTHONPATH set to the tree,
 e.g. a `git worktree` of an earlier commit; the trees alternate within a workload), one
@@ -55,6 +57,7 @@ def _child(name: str, path: str) -> None:
 
     t = time.perf_counter()
     c = time.process_time()
+    phase: dict[str, float] = {}
     if name == "floor":
         import polars as pl
 
@@ -78,8 +81,17 @@ def _child(name: str, path: str) -> None:
 
         analysis.report_data([path], None, 0.0025, bootstrap=200, summary={})
     elif name == "report":
+        from mismatch_replay import analysis
         from mismatch_replay.viz import jobs
 
+        real = analysis.report_data
+
+        def timed(*args, **kw):  # where the report's read and decisions end, its drawing begins
+            got = real(*args, **kw)
+            phase["draw_from"] = time.perf_counter()
+            return got
+
+        analysis.report_data = timed
         with tempfile.TemporaryDirectory() as d:
             jobs.report([path], Path(d) / "r", command="bench")
     else:
@@ -93,6 +105,8 @@ def _child(name: str, path: str) -> None:
         ),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
+    if "draw_from" in phase:  # the figures and the page, after the read and the decisions
+        out["draw_seconds"] = time.perf_counter() - phase["draw_from"]
     print(json.dumps(out))
 
 
@@ -149,6 +163,12 @@ def main() -> None:
         if t is not None:
             print(f"\n{t}")
         _table(best, {w: [d["seconds"] for d in r] for w, r in runs[t].items()})
+        draws = sorted(d["draw_seconds"] for d in runs[t].get("report", []) if "draw_seconds" in d)
+        if draws:
+            print(
+                f"report's drawing (after its read and decisions): best {draws[0]:.2f} s, "
+                f"median {draws[len(draws) // 2]:.2f} s"
+            )
         out["trees"][str(t or ".")] = {"runs": runs[t], "best": best}
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
