@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pytest
 from conftest import random_log, write_log
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,3 +117,72 @@ def test_a_replay_tells_its_tail_the_rows_it_will_read(tmp_path):
     engine.replay([path], tail=tail, final=True)
     assert tail.expected == df.height  # the plan's rows, before the loss mask
     assert 0 < tail.kept <= tail._cap
+
+
+def _two_threads(cls):
+    def make(program, seqfrac, nthreads=None):
+        return cls(program, seqfrac, nthreads=2)
+
+    return make
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    min_chunk=st.sampled_from([16, 200, 1 << 15]),
+    float32=st.booleans(),
+    columns=st.sampled_from(["all", "no advantage", "no sample_id"]),
+)
+def test_the_kernels_kept_columns_are_the_batch_gathered(
+    tmp_path_factory, seed, min_chunk, float32, columns
+):
+    """The fused kernel writes each kept token's lp, lq, advantage and sequence out while
+    it has them (jit.coord_pass's tk_*, runner._kept), chunk after chunk in input order: the
+    tail must hold the same bytes as when every column is gathered from the batch at the
+    kept indices (the way it was kept before), on two threads with chunks of a few tokens
+    to one, float32 log-prob columns (gathered as they are) and logs without advantage or
+    sample ids."""
+    with pytest.MonkeyPatch.context() as mp:
+        _check_kept_columns(mp, tmp_path_factory, seed, min_chunk, float32, columns)
+
+
+def _check_kept_columns(mp, tmp_path_factory, seed, min_chunk, float32, columns):
+    from mismatch_replay import fast
+    from mismatch_replay.engine import tally
+    from mismatch_replay.fast import runner
+
+    df = random_log(np.random.default_rng(seed), steps=3, seqs=40, max_len=60, mismatch=0.2)
+    if float32:
+        df = df.with_columns(pl.col("trainer_logprob", "inference_logprob").cast(pl.Float32))
+    if columns == "no advantage":
+        df = df.drop("advantage")
+    elif columns == "no sample_id":
+        df = df.drop("sample_id")
+    path = write_log(tmp_path_factory.mktemp("k") / "log.parquet", df)
+    mp.setattr(runner.Fused, "MIN_CHUNK", min_chunk)
+    mp.setattr(fast, "Fused", _two_threads(runner.Fused))
+    jobs, _ = engine.plan_jobs(None, None, list(df.columns))
+
+    def kept(gather_all: bool) -> dict[str, np.ndarray]:
+        real = tally.Tally._keep_tail
+
+        def keep(self, k, d, lp, lq, adv, seq):
+            if gather_all and k is not None:  # the kernel's indices and bits, columns ignored
+                self.tail.add(k[0], k[1], d, lp, lq, adv, seq[0] if seq is not None else None)
+                return
+            real(self, k, d, lp, lq, adv, seq)
+
+        mp.setattr(tally.Tally, "_keep_tail", keep)
+        tail = Tail(0.05)
+        with fast.use_backend("numba"):
+            engine.replay([path], jobs=jobs, tail=tail, final=True)
+        mp.setattr(tally.Tally, "_keep_tail", real)
+        return tail.arrays()
+
+    got, want = kept(False), kept(True)
+    assert got["lp"].size > 0
+    assert (np.diff(got["row"]) > 0).all()  # input order, every chunk's after the one before
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert got[k].tobytes() == want[k].tobytes(), k

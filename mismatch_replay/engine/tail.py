@@ -10,7 +10,9 @@ fused kernel (fast/coordinates.py: dp, l, the binary KLs) can be masked at all. 
 given a `Tail` keeps, for every coordinate of its program, the tokens at or beyond two
 cutoffs (`cut`, one per side), with their log-probs, advantage, sequence id, step and the
 position columns the log has: the kernel sets a bit per coordinate in one pass it already
-makes (`jit.coord_pass`, flags[F_TAIL]), the Tally gathers those rows (`add`). The kernel
+makes (`jit.coord_pass`, flags[F_TAIL]) and writes the kept tokens' log-probs, advantage
+and sequence out while it holds them (a gather from the batch's columns afterwards missed
+the cache on every token); `add` copies those and gathers the log's other kept columns. The kernel
 also counts every token's inference-probability bucket (`q_counts`) and, asked to, `add`
 counts each step's tokens (`step_counts`): the totals a 2 x 2 table or a bootstrap over
 steps needs besides the kept tokens.
@@ -125,9 +127,22 @@ class Tail:
         self.cut = cut
         return cut
 
-    def add(self, idx: np.ndarray, bits: np.ndarray, df: pl.DataFrame, lp, lq, adv, seq) -> None:
+    def add(
+        self,
+        idx: np.ndarray,
+        bits: np.ndarray,
+        df: pl.DataFrame,
+        lp,
+        lq,
+        adv,
+        seq,
+        gathered: dict[str, np.ndarray] | None = None,
+    ) -> None:
         """Keep a batch's tokens `idx` (their coordinate bits `bits`); `seq`: the batch's
-        global sequence ids (None without sample_id)."""
+        global sequence ids (None without sample_id). `gathered`: columns of `src` ("lp",
+        "lq", "advantage", "seq") already taken at `idx` (the fused kernel writes them out
+        while it has them: no gather from the batch's columns, which are out of cache by
+        then)."""
         self.tokens += df.height
         if self.count_steps:
             vc = df["step"].value_counts()
@@ -150,10 +165,16 @@ class Tail:
         for c in self.extra:
             if c in df.columns:
                 src[c] = df[c].to_numpy()
-        self._append(idx, bits, self.tokens - df.height, src, df.height)
+        self._append(idx, bits, self.tokens - df.height, src, df.height, gathered or {})
 
     def _append(
-        self, idx: np.ndarray, bits: np.ndarray, first: int, src: dict, rows: int = 0
+        self,
+        idx: np.ndarray,
+        bits: np.ndarray,
+        first: int,
+        src: dict,
+        rows: int = 0,
+        gathered: dict | None = None,
     ) -> None:
         """Gather a batch's kept tokens `idx` of each column in `src` (and their bits and
         rows: idx + first) straight into the buffers: the copying, and the first touch of
@@ -183,7 +204,10 @@ class Tail:
         buf["bits"][at] = bits
         np.add(idx, first, out=buf["row"][at], casting="unsafe")
         for k, v in src.items():
-            if v.dtype == buf[k].dtype:
+            got = gathered.get(k) if gathered else None
+            if got is not None and got.dtype == buf[k].dtype and got.shape[0] == n:
+                buf[k][at] = got  # taken at idx already
+            elif v.dtype == buf[k].dtype:
                 np.take(v, idx, out=buf[k][at], mode="clip")  # (raise: buffered, slower)
             else:  # a column whose type changed between batches: cast as an assignment does
                 buf[k][at] = v[idx]

@@ -428,8 +428,7 @@ class Tally(Leading):
             f = self._follower
             f._staged = (*f._staged[:3], (out.follow, out.seq, seq))
         if self.tail is not None:
-            idx, bits = out.tail if out.tail is not None else (_NONE, _NONE.astype(np.uint32))
-            self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None)
+            self._keep_tail(out.tail, df, lp, lq, adv, seq)
             self.tail.add_q_counts(out.q_counts, out.q_mass)
         self.metrics.add_sums(out.msum, out.mmax, G)
         if self.scatter:
@@ -476,6 +475,20 @@ class Tally(Leading):
         if self.robust:
             tb = tb if tb is not None else TokenBatch(lp, lq, adv)
             add_robust(self, df, tb, g, G)
+
+    def _keep_tail(self, kept, df, lp, lq, adv, seq) -> None:
+        """The kernel's kept tokens into the tail: the columns it wrote out where the batch's
+        own have their type (float64 log-probs and advantage), the rest gathered there."""
+        if kept is None:
+            self.tail.add(_NONE, _NONE.astype(np.uint32), df, lp, lq, adv, None)
+            return
+        idx, bits, cols = kept
+        got = {k: cols[k] for k, a in (("lp", lp), ("lq", lq)) if a.dtype == np.float64}
+        if adv is not None and adv.dtype == np.float64:
+            got["advantage"] = cols["adv"]
+        if seq is not None:  # batch-local sequences -> the global ids (a small table)
+            got["seq"] = seq[1][0][cols["seq"]]
+        self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None, got)
 
     def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq) -> None:
         """The simple path: numpy, rule by rule (the reference for the fused path)."""

@@ -1,7 +1,7 @@
 """The fused path: every token rule, the metrics, the scatter and the sequence sums in one loop.
 
 The engine's simple path (engine/, numpy, rule by rule) runs each rule's `score()` and bins
-it; it is the reference. This package is the fast path, in six modules:
+it; it is the reference. This package is the fast path, in seven modules:
 
 * `coordinates`: the four per-token values the kernel bins (dp, l, and the binary KLs at
   each clamp), and for each quantity a rule can declare a threshold on (`Rule.quantities`)
@@ -10,7 +10,8 @@ it; it is the reference. This package is the fast path, in six modules:
   derived from the rule's own score() (`Program`, `Program.reasons`: why a job is not
   fused), and the direct binning tables;
 * `runner`: the backend switch (`backend`, `use_backend`, MISMATCH_REPLAY_KERNEL), the
-  threads, the per-batch call (`Fused.run` -> `BatchOut`) and m2po's per-step kernel;
+  threads and the per-batch call (`Fused.run` -> `BatchOut`);
+* `m2po_bins`: m2po's per-step bins (`m2po_step_bins`: the kernel, or the numpy reference);
 * `jit`: the numba kernels (one fused loop over a batch's tokens, m2po's step);
 * `jit_rows`: the small row-by-row kernels beside them (sequence runs, column checks, the
   bootstrap's weights and replicate sums, q-bucket codes), re-exported by `jit`;
@@ -24,6 +25,7 @@ path.
 from __future__ import annotations
 
 from .coordinates import COORDINATES, QUANTITIES, Coordinate, Quantity, SampleBatch
+from .m2po_bins import m2po_step_bins
 from .program import (
     MAX_LUT,
     Binner,
@@ -49,7 +51,6 @@ from .runner import (
     bin_scores,
     compiled,
     executor,
-    m2po_step_bins,
     replicate_bins,
     threads,
     use_backend,

@@ -329,6 +329,10 @@ def coord_pass(
     tbits,
     qedges,
     qcnt,
+    tk_i,
+    tk_f,
+    tk_b,
+    tk_n,
 ):
     """Tokens lo..hi-1 of a batch: every coordinate's intervals, metrics, scatter, sums.
 
@@ -348,6 +352,10 @@ def coord_pass(
     With flags[F_QB], qcnt[k] counts the tokens whose q falls in [qedges[k], qedges[k + 1])
     (np.searchsorted(qedges, q, "right") - 1; qedges[0] = 0) and qcnt[K + k] sums their
     |dp| (K = len(qedges)).
+    With flags[F_TAIL], the tokens given a bit are also written out, block by block while
+    their values are in cache, in input order from index lo on: tk_i[0] their batch index,
+    tk_i[1] their sequence (sl; 0 without), tk_f[0..2] lp, lq and adv (0 without), tk_b
+    their bits; tk_n[0] = how many (at most hi - lo: the chunks' stretches never meet).
     With flags[F_METRICS2], the metrics are also summed per run of one g2 group into
     msum2 and mmax2 at row g2 - g2off (a follower Tally's groups: runner.Fused.run's
     `follow`), the entropy sums only with flags[F_ENT2]. sq_first[s] = the batch index of
@@ -410,6 +418,7 @@ def coord_pass(
     b_so = us[3]  # sequence * SW (zeros from the caller)
     b_bin = us[4]  # a coordinate's bin_coord
     bad = False
+    nkept = np.int64(0)
     for start in range(lo, hi, B):
         nb = min(B, hi - start)
         # ---- per-token quantities: call-free exp/expm1/log (vmath), so these loops run
@@ -667,6 +676,20 @@ def coord_pass(
                 smnf[cur] = cmin
                 smxf[cur] = cmax
             nflag[c] += nf
+        if do_tail:  # the block's kept tokens, compacted (what the engine's tail gathers)
+            for t in range(nb):
+                i = start + t
+                tb = tbits[i]
+                if tb != 0:
+                    k = lo + nkept
+                    tk_i[0, k] = i
+                    tk_i[1, k] = sl[i] if has_seq else 0
+                    tk_f[0, k] = lp[i]
+                    tk_f[1, k] = lq[i]
+                    tk_f[2, k] = adv[i] if has_adv else 0.0
+                    tk_b[k] = tb
+                    nkept += 1
+    tk_n[0] = nkept
     return 1 if bad else 0
 
 

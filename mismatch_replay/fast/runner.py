@@ -289,8 +289,9 @@ class BatchOut:
     seq_first: np.ndarray  # (m,) group of the sequence's first token in this batch
     m2po_x: np.ndarray | None  # (n,) l^2
     m2po_mass: np.ndarray | None  # (n,) |dp|
-    # with tail_cut: the tokens beyond a cutoff (indices) and their coordinates' bits
-    tail: tuple[np.ndarray, np.ndarray] | None = None
+    # with tail_cut: the tokens beyond a cutoff (indices), their coordinates' bits, and
+    # their lp, lq, adv and batch-local sequence (seq_local's; "seq") as the kernel read them
+    tail: tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None = None
     q_counts: np.ndarray | None = None  # with q_edges: tokens per q bucket
     q_mass: np.ndarray | None = None  # ... and their |dp| summed
     # with follow=: (msum (G2, 15), mmax (G2, 2), seq_first by g2 group or None), a follower
@@ -380,10 +381,15 @@ class Fused:
         """A float64 array of this runner's own, not zeroed (the kernel writes every entry),
         reused batch after batch: for outputs whose reader copies them before the next
         run() (m2po's store does)."""
+        return self._kept_rows(name, (n,), np.float64)
+
+    def _kept_rows(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        """`_reused`'s array of any shape and type (C-contiguous, its last axis the batch's)."""
+        size = math.prod(shape)
         buf = self._own.get(name)
-        if buf is None or buf.size < n:
-            buf = self._own[name] = np.empty(max(n, 1))
-        return buf[:n]
+        if buf is None or buf.dtype != dtype or buf.size < size:
+            buf = self._own[name] = np.empty(max(size, 1), dtype)
+        return buf[:size].reshape(shape)
 
     def _scratch(self, t: int, nclamp: int) -> tuple[np.ndarray, ...]:
         """Thread t's scratch rows for coord_pass (which allocates nothing itself): float64
@@ -487,6 +493,10 @@ class Fused:
         tflag = self._zeros("tflag", n, np.uint32)
         tail = tail_cut is not None and nc > 0
         tbits = self._zeros("tbits", n, np.uint32) if tail else _EU1
+        # the kept tokens, each chunk's written from its first index on (`_kept`)
+        tk_i = self._kept_rows("tk_i", (2, n), np.int64) if tail else np.zeros((2, 1), np.int64)
+        tk_f = self._kept_rows("tk_f", (3, n), np.float64) if tail else np.zeros((3, 1))
+        tk_b = self._kept_rows("tk_b", (n,), np.uint32) if tail else np.zeros(1, np.uint32)
         tcut = _ro(tail_cut, np.float64) if tail else _ro(_E2, np.float64)
         qb = q_edges is not None
         qe = _ro(q_edges, np.float64) if qb else _ro(_E1, np.float64)
@@ -511,6 +521,7 @@ class Fused:
                 if groups > 1:
                     g = np.asarray(g, np.int64) - np.repeat(goff, np.diff(bounds))
         qcnt = np.zeros((nch, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, |dp| sums
+        tk_n = np.zeros(nch, np.int64)  # each chunk's kept tokens
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         ms_rows = span if metrics else 1
         msum = np.zeros((nch, ms_rows + PAD, N_SUMS))
@@ -635,6 +646,10 @@ class Fused:
                 tbits,
                 qe,
                 qcnt[c],
+                tk_i,
+                tk_f,
+                tk_b,
+                tk_n[c : c + 1],
             )
 
         if nt == 1:
@@ -699,7 +714,7 @@ class Fused:
             follow=followed,
             m2po_x=m2x if m2po else None,
             m2po_mass=m2m if m2po else None,
-            tail=_tail(tbits) if tail else None,
+            tail=_kept(bounds, tk_n, tk_i, tk_f, tk_b) if tail else None,
             q_counts=qcnt[:, : qe.shape[0]].sum(axis=0) if qb else None,
             q_mass=qcnt[:, qe.shape[0] : 2 * qe.shape[0]].sum(axis=0) if qb else None,
         )
@@ -800,101 +815,14 @@ class Fused:
 # ----------------------------------------------------------------------------- m2po
 
 
-_M2PO_SCRATCH = threading.local()
+def _kept(bounds, tk_n, tk_i, tk_f, tk_b) -> tuple[np.ndarray, np.ndarray, dict]:
+    """BatchOut.tail from the kernel's compacted stretches (chunk c's: tk_n[c] tokens from
+    bounds[c] on), in input order: indices, bits, and the columns the kernel wrote (copies:
+    the runner reuses its arrays)."""
+    runs = [(int(a), int(k)) for a, k in zip(bounds[:-1].tolist(), tk_n.tolist(), strict=True) if k]
 
+    def join(a):
+        return np.concatenate([a[s : s + k] for s, k in runs]) if runs else a[:0].copy()
 
-def _tail(tbits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    idx = np.flatnonzero(tbits)
-    return idx, tbits[idx]
-
-
-def _m2po_scratch(n: int) -> tuple[np.ndarray, ...]:
-    """This thread's scratch for m2po_step, at least n long (steps reuse it: no fresh pages
-    per step)."""
-    have = getattr(_M2PO_SCRATCH, "arrays", None)
-    if have is None or have[0].shape[0] < n:
-        m = max(n, 1024)
-        have = _M2PO_SCRATCH.arrays = (
-            np.empty(m, np.int64),
-            np.empty(m),
-            np.empty(m),
-            np.empty(m, np.bool_),
-            np.empty(m + 1, np.int64),
-            np.empty(m, np.int64),
-        )
-    return have
-
-
-def m2po_step_bins(
-    x: np.ndarray,
-    g: np.ndarray,
-    mass: np.ndarray,
-    seq: np.ndarray,
-    inv_n: np.ndarray | None,
-    thr_sorted: np.ndarray,
-    groups: int,
-    n_seq: int,
-    out_count: np.ndarray,
-    out_mass: np.ndarray,
-    out_seqfrac: np.ndarray | None,
-    seq_bin: np.ndarray,
-    keep_last: bool = False,
-    precision: str = "float64",
-) -> None:
-    """Add one step's m2po bins: out_count/out_mass/out_seqfrac[g, bin], and
-    seq_bin[seq] = max(seq_bin[seq], bin). x = l^2 of the step's tokens in input order.
-
-    Rank m (0 = largest l^2, ties in input order) scores the mean l^2 of ranks m.. of the
-    step; masked iff score >= tau. Fused backend: `jit.m2po_step`; numpy backend:
-    a stable argsort (the reference). `keep_last` (m2po@areal): the last rank is never
-    masked (AReaL masks all but one token when no tail's mean is under tau).
-    `precision="float32"`: the suffix sums, counts and means in float32, as AReaL's torch
-    code runs them (a sequential float32 cumsum; a GPU scan adds in another order). Both
-    take the numpy path.
-    """
-    k = thr_sorted.shape[0]
-    n = x.shape[0]
-    if n == 0:
-        return
-    j = compiled() if not keep_last and precision == "float64" else None
-    if j is not None:
-        xs = np.sort(x)[::-1].copy()
-        thr = np.ascontiguousarray(thr_sorted, dtype=np.float64)
-        has_invn = inv_n is not None and out_seqfrac is not None
-        brank, suf, bval, btie, level, ties = _m2po_scratch(n)
-        x = _ro(x, np.float64)
-        tokens = (
-            _ro(g, np.int64),
-            _ro(mass, np.float64),
-            _ro(seq, np.int64),
-            _ro(inv_n, np.float64) if has_invn else _ro(_E1, np.float64),
-        )
-        outs = (out_count, out_mass, out_seqfrac if has_invn else _E2, seq_bin, has_invn)
-        nt = j.m2po_step(xs, x, *tokens, k, thr, *outs, brank, suf, bval, btie, level, ties)
-        if nt < 0:
-            raise AssertionError("internal error: m2po produced NaN scores")
-        if nt:  # ties split by a boundary: their input order decides (rare)
-            order = np.argsort(x[ties[:nt]], kind="stable")
-            j.m2po_ties(xs, x, ties[:nt], order, brank, *tokens, *outs)
-        return
-    order = np.argsort(-x, kind="stable")
-    xs = x[order]
-    if precision == "float32":
-        xs32 = xs.astype(np.float32)
-        suffix32 = np.cumsum(xs32[::-1], dtype=np.float32)[::-1]
-        score = (suffix32 / np.arange(n, 0, -1, dtype=np.float32)).astype(np.float64)
-    else:
-        suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
-        score = suffix / (n - np.arange(n))
-    if keep_last:
-        score[-1] = -math.inf
-    b = bin_scores(score, thr_sorted, True)
-    width = k + 2
-    gg = g[order]
-    idx = gg * width + b
-    size = out_count.shape[0] * width
-    out_count += np.bincount(idx, minlength=size).reshape(-1, width)
-    out_mass += np.bincount(idx, weights=mass[order], minlength=size).reshape(-1, width)
-    if out_seqfrac is not None and inv_n is not None:
-        out_seqfrac += np.bincount(idx, weights=inv_n[order], minlength=size).reshape(-1, width)
-    np.maximum.at(seq_bin, seq[order], b)
+    cols = {"lp": join(tk_f[0]), "lq": join(tk_f[1]), "adv": join(tk_f[2]), "seq": join(tk_i[1])}
+    return join(tk_i[0]), join(tk_b), cols
