@@ -20,18 +20,11 @@ import threading
 
 import numpy as np
 
-from .runner import bin_scores, compiled
+from .runner import bin_scores, compiled, readonly
 
 _SCRATCH = threading.local()
 _NONE1 = np.zeros(1, np.float64)
 _NONE2 = np.zeros((1, 1), np.float64)
-
-
-def _ro(a, dtype) -> np.ndarray:
-    """A C-contiguous read-only view (one numba specialisation for every input)."""
-    a = np.ascontiguousarray(a, dtype=dtype).view()
-    a.flags.writeable = False
-    return a
 
 
 def _scratch(n: int) -> tuple[np.ndarray, ...]:
@@ -88,12 +81,12 @@ def m2po_step_bins(
         thr = np.ascontiguousarray(thr_sorted, dtype=np.float64)
         has_invn = inv_n is not None and out_seqfrac is not None
         brank, suf, bval, btie, level, ties = _scratch(n)
-        x = _ro(x, np.float64)
+        x = readonly(x, np.float64)
         tokens = (
-            _ro(g, np.int64),
-            _ro(mass, np.float64),
-            _ro(seq, np.int64),
-            _ro(inv_n, np.float64) if has_invn else _ro(_NONE1, np.float64),
+            readonly(g, np.int64),
+            readonly(mass, np.float64),
+            readonly(seq, np.int64),
+            readonly(inv_n, np.float64) if has_invn else readonly(_NONE1, np.float64),
         )
         outs = (out_count, out_mass, out_seqfrac if has_invn else _NONE2, seq_bin, has_invn)
         nt = j.m2po_step(xs, x, *tokens, k, thr, *outs, brank, suf, bval, btie, level, ties)

@@ -299,8 +299,9 @@ class BatchOut:
     follow: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
 
-def _ro(a, dtype) -> np.ndarray:
-    """A C-contiguous read-only view (one numba specialisation for every input)."""
+def readonly(a, dtype) -> np.ndarray:
+    """A C-contiguous read-only view of `a` as `dtype`: the kernels' inputs (one numba
+    specialisation for every input; m2po_bins.py passes its own through it too)."""
     a = np.ascontiguousarray(a, dtype=dtype).view()
     a.flags.writeable = False
     return a
@@ -497,9 +498,9 @@ class Fused:
         tk_i = self._kept_rows("tk_i", (2, n), np.int64) if tail else np.zeros((2, 1), np.int64)
         tk_f = self._kept_rows("tk_f", (3, n), np.float64) if tail else np.zeros((3, 1))
         tk_b = self._kept_rows("tk_b", (n,), np.uint32) if tail else np.zeros(1, np.uint32)
-        tcut = _ro(tail_cut, np.float64) if tail else _ro(_E2, np.float64)
+        tcut = readonly(tail_cut, np.float64) if tail else readonly(_E2, np.float64)
         qb = q_edges is not None
-        qe = _ro(q_edges, np.float64) if qb else _ro(_E1, np.float64)
+        qe = readonly(q_edges, np.float64) if qb else readonly(_E1, np.float64)
         # chunks taken by whichever thread is free (the reader and m2po's thread share the
         # cores: fixed halves left one thread waiting for the other, ~20 ms a batch); float
         # sums every chunk adds to (metrics, q buckets, ordered bins) are per chunk, then
@@ -538,12 +539,12 @@ class Fused:
         if m2:
             g2, groups2, ent2 = follow
             ent2 = bool(ent2) and entropy is not None
-            g2 = _ro(g2, np.int64)
+            g2 = readonly(g2, np.int64)
             off2, span2 = self._follow_rows(g2, bounds, groups2)
             msum2 = np.zeros((nch, span2 + PAD, N_SUMS))
             mmax2 = np.full((nch, span2 + PAD, N_MAXES), -math.inf)
         else:
-            g2, ent2, off2 = _ro(_EI1, np.int64), False, np.zeros(nch, np.int64)
+            g2, ent2, off2 = readonly(_EI1, np.int64), False, np.zeros(nch, np.int64)
             msum2, mmax2 = _EM2[0], _EM2[1]
         acc = self._chunk_bins(nch, span) if goff is not None else None
         # m2po's inputs: into the store's slab, else the runner's own (overwritten next batch)
@@ -571,13 +572,13 @@ class Fused:
             dtype=np.int64,
         )
         consts = np.array([log_clamp, *scatter_consts[:4], math.log(10), bins], np.float64)
-        lp = _ro(lp, np.float64)
-        lq = _ro(lq, np.float64)
-        adv_a = _ro(adv, np.float64) if adv is not None else _ro(_E1, np.float64)
-        g = _ro(g, np.int64)
-        sl = _ro(seq_local, np.int64) if has_seq else _ro(_EI1, np.int64)
-        invn = _ro(inv_n, np.float64) if flags[3] else _ro(_E1, np.float64)
-        ent = _ro(entropy, np.float64) if entropy is not None else _ro(_E1, np.float64)
+        lp = readonly(lp, np.float64)
+        lq = readonly(lq, np.float64)
+        adv_a = readonly(adv, np.float64) if adv is not None else readonly(_E1, np.float64)
+        g = readonly(g, np.int64)
+        sl = readonly(seq_local, np.int64) if has_seq else readonly(_EI1, np.int64)
+        invn = readonly(inv_n, np.float64) if flags[3] else readonly(_E1, np.float64)
+        ent = readonly(entropy, np.float64) if entropy is not None else readonly(_E1, np.float64)
         chunks = itertools.count()  # next() is atomic under the GIL
 
         def call(t: int) -> int:
