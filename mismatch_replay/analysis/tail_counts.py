@@ -105,7 +105,8 @@ class TailCounts:
     def _index(self, c: int | None) -> np.ndarray | None:
         """Indices into the kept tokens of coordinate c's tail (None: every kept token)."""
         if c not in self._idx:
-            bits = self.tail.arrays()["bits"]
+            # a tail that kept no token has no "bits" (Tail.arrays): no coordinate's tokens
+            bits = self.tail.arrays().get("bits", np.zeros(0, dtype=np.uint32))
             # (a bool array: numpy's nonzero on one is several times faster than on uint32)
             self._idx[c] = None if c is None else np.flatnonzero((bits & np.uint32(1 << c)) != 0)
         return self._idx[c]

@@ -5,7 +5,9 @@ Design
 ------
 Every format ends here. A source column feeds a canonical column by `--map canonical=theirs`,
 else by the first of its accepted names (`ALIASES`; `PROB_ALIASES` for columns that hold
-probabilities, read as their log). `choose_columns` decides this from a file's column names
+probabilities, read as their log). A log with the inference log-prob, no trainer one by
+name and exactly one trainer-side column (`old_log_probs`: verl) reads that one as
+trainer_logprob, with a note. `choose_columns` decides this from a file's column names
 alone, `check_types` refuses from its schema alone a column whose type cannot hold its
 canonical column (text where numbers belong, nested structs, lists of lists: one sentence,
 before anything is read; an optional payload column such as `advantage` is left out with a
@@ -362,6 +364,7 @@ def choose_columns(
                 f"{', '.join(repr(c) for c in present)}); read '{present[0]}' and ignored "
                 f"{others}. Pass --map {canon}={present[1]} to read the other."
             )
+    _trainer_side(path, names, options, source, probs, notes)
     lp = [source.get(c) for c in ("trainer_logprob", "inference_logprob")]
     if notes is not None and lp[0] is not None and lp[0] == lp[1]:
         notes.append(
@@ -380,6 +383,34 @@ def choose_columns(
             "(add --probs if they are probabilities)."
         )
     return source, probs
+
+
+def _trainer_side(path, names, options, source: dict, probs: set, notes) -> None:
+    """No trainer log-prob by name, the inference one found, and exactly one trainer-side
+    column (an `old_logprob` name: verl's `old_log_probs` is the trainer's recomputed
+    log-prob that its rollout correction compares with `rollout_log_probs`): read that one
+    as trainer_logprob, and say so (`notes`). Not where --map named old_logprob."""
+    if "trainer_logprob" in source or "inference_logprob" not in source:
+        return
+    if "old_logprob" in options.mapping:
+        return
+    accepted = ("old_logprob", *ALIASES["old_logprob"], *PROB_ALIASES["old_logprob"])
+    present = [c for c in accepted if c in names]
+    if len(present) != 1 or source.get("old_logprob") != present[0]:
+        return
+    rest = {k: v for k, v in source.items() if k != "old_logprob"}
+    source.clear()  # trainer_logprob first, where inspect's "columns" lists it
+    source.update({"trainer_logprob": present[0], **rest})
+    if "old_logprob" in probs:
+        probs.discard("old_logprob")
+        probs.add("trainer_logprob")
+    if notes is not None:
+        notes.append(
+            f"{path}: no trainer log-prob column by name; read '{present[0]}', the one "
+            "trainer-side column, as trainer_logprob (verl's old_log_probs is what its "
+            "rollout correction compares with rollout_log_probs). Pass --map "
+            "trainer_logprob=COLUMN to read another."
+        )
 
 
 # ----------------------------------------------------------------------------- batches

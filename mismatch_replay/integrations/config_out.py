@@ -12,15 +12,23 @@ the framework's own syntax:
 * `yaml`  the nested mapping (AReaL's default, also verl, NeMo-RL, SkyRL, TRL);
 * `cli`   argparse flags (`--use-tis --tis-clip 2.5`: slime, TRL, OpenRLHF, prime-rl).
 
-Each choice is a complete alternative: the rule's slot in the base config (read with
-`--from-config`) gets the chosen rule, the other slots keep theirs, and every key that
-selects them is written, so reading the block back alone (`config_in.read_text`) gives the
-same rules: the round trip the tests run for every framework. Numbers are written as their
-shortest exact decimal (`repr`), so the threshold read back is the one chosen; derived keys
-(verl's reciprocal `lower_upper` bounds) are exact to the last bit or one ulp.
+Each choice is one block that changes only what was chosen: the rule's slot in the base
+config (read with `--from-config`) gets the chosen rule, and the block writes the keys that
+select that rule (those `write` gives for the rule alone) plus any other key whose value
+differs from the base's. So a rejection threshold never rewrites verl's
+`rollout_is_threshold`; reading the block back alone (`config_in.read_text`) gives the chosen
+rule, and merged over the base config, the base's rules with that one replaced: the round
+trip the tests run for every framework. A value with a bootstrap interval is written with
+the fewest digits that stay inside it (`_rounded`: 1.05, not 1.0495847307869384, for an
+interval 1.048 .. 1.051), in the form the framework writes (for verl's `*_k1` pairs, the
+reciprocal is the short one); without an interval, as its shortest exact decimal (`repr`),
+and derived keys (verl's reciprocal `lower_upper` bounds) exact to the last bit or one ulp.
+Notes are those of the chosen rule's own keys (`write` of the rule alone).
 
 Rows whose search ended out of range are skipped with a comment: there is no threshold to
-write. A header comment per block says what the setting masks on the replayed log.
+write. A rule the framework cannot express (IPO in verl) gets a comment saying so, and the
+other blocks are written; only when no block can be written is it an error. A header
+comment per block says what the setting masks on the replayed log.
 """
 
 from __future__ import annotations
@@ -184,12 +192,51 @@ def combine(fw: Framework, base: Sequence[Rule], rule: Rule) -> list[Rule]:
     return out
 
 
+def _interval(row: dict) -> tuple[float, float] | None:
+    """The bootstrap interval of a chosen threshold (None: no target, or no bootstrap)."""
+    lo, hi = row.get("ci_low"), row.get("ci_high")
+    if row.get("target_fraction") is None or lo is None or hi is None:
+        return None
+    return float(min(lo, hi)), float(max(lo, hi))
+
+
+def _rounded(fw: Framework, rule: Rule, row: dict) -> Rule:
+    """The chosen rule with its threshold written with the fewest characters that keep it
+    inside its bootstrap interval (`_interval`; the rule as it is without one). Candidates
+    at 1 to 17 significant digits, of the value and of its reciprocal (what verl's `*_k1`
+    pair writes), the shortest of what `fw.write` makes of them wins."""
+    param, ci = row.get("param"), _interval(row)
+    value = getattr(rule, param, None) if param else None
+    if ci is None or value is None or not ci[0] <= value <= ci[1]:
+        return rule
+    best, best_len = rule, None
+    for digits in range(1, 18):
+        cands = [float(f"{value:.{digits}g}")]
+        if value != 0:
+            with_inv = float(f"{1.0 / value:.{digits}g}")
+            cands += [1.0 / with_inv] if with_inv != 0 else []
+        for c in cands:
+            if not ci[0] <= c <= ci[1]:
+                continue
+            try:
+                cand = rule.replace(**{param: c})
+                size = sum(len(str(v)) for _, v in fw.write([cand], {})[0])
+            except UsageError:
+                continue
+            if best_len is None or size < best_len:  # ties: the fewer digits
+                best, best_len = cand, size
+    return best
+
+
 def _header(rule: Rule, row: dict) -> list[str]:
     if not row:
         return [f"# mismatch-replay: {rule.spec()}"]
     what = "truncates" if row.get("kind") == "weight" else "masks"
     frac = row.get("masked_fraction")
-    line = f"# mismatch-replay choose: {rule.name} {row.get('param')}={float_text(row['value'])}"
+    name = rule.spec().partition(":")[0]
+    param = row.get("param")
+    written = getattr(rule, param, None) if param else None
+    line = f"# mismatch-replay choose: {name} {param}={float_text(row['value'])}"
     if frac is not None:
         line += f" {what} {100 * frac:.3g}% of {row.get('tokens', 0):,} loss tokens"
     if row.get("target_fraction") is not None:
@@ -199,6 +246,8 @@ def _header(rule: Rule, row: dict) -> list[str]:
         out.append(
             f"#   95% interval of the threshold: {row['ci_low']:.4g} .. {row['ci_high']:.4g}"
         )
+    if written is not None and written != row["value"]:
+        out.append("#   written with the fewest digits that stay inside that interval")
     if row.get("status") not in (None, "ok"):
         out.append(
             f"#   status: {row['status']}" + (f" ({row['note']})" if row.get("note") else "")
@@ -229,7 +278,9 @@ def emit(
             f"{base.framework}, or drop --from-config."
         )
     base_rules = [cr.rule for cr in base.rules] if base else []
-    blocks = []
+    values = base.values if base else {}
+    before = dict(fw.write(base_rules, values)[0]) if base_rules else {}
+    blocks, refused = [], []
     for choice in choices:
         rule, row = _as_rule(choice)
         if row.get("status") == "out of range":
@@ -238,9 +289,21 @@ def emit(
                 f"reaches the target ({row.get('note') or 'out of range'}); nothing to write."
             )
             continue
-        pairs, notes = fw.write(combine(fw, base_rules, rule), base.values if base else {})
+        try:
+            rule = _rounded(fw, rule, row)
+            own, notes = fw.write([rule], {})  # the keys (and notes) of this rule alone
+            pairs, _ = fw.write(combine(fw, base_rules, rule), values)
+        except UsageError as exc:
+            refused.append(str(exc))
+            blocks.append(f"# mismatch-replay: {rule.spec()}: not written: {exc}")
+            continue
+        keys = {k for k, _ in own}
+        missing = object()
+        pairs = [(k, v) for k, v in pairs if k in keys or before.get(k, missing) != v]
         lines = _header(rule, row) + [f"#   note: {n}" for n in notes]
         blocks.append("\n".join([*lines, format_pairs(pairs, syntax, fw)]))
+    if refused and len(refused) == len(blocks):
+        raise UsageError(refused[0] if len(refused) == 1 else "; ".join(dict.fromkeys(refused)))
     return "\n\n".join(blocks) + "\n"
 
 
