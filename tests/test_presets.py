@@ -26,7 +26,7 @@ from conftest import GOLDEN_LOG, canonical_log, write_log
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_replay import engine, fast, pmath
+from mismatch_replay import crmath, engine, fast, pmath
 from mismatch_replay.rules import REGISTRY, parse_rule, token
 
 # ----------------------------------------------------------------------------- edge log
@@ -37,8 +37,8 @@ def _t_exp(x: float) -> float:
 
 
 def _agree(x: float) -> bool:
-    """pmath's exp (the engine's) and torch's give the same bits at x."""
-    return pmath.exp(x) == _t_exp(x)
+    """crmath's exp (a preset's, correctly rounded) and torch's give the same bits at x."""
+    return crmath.exp(x) == _t_exp(x)
 
 
 def _around(x0: float, span: int) -> list[float]:
@@ -56,7 +56,7 @@ def ratio_ties(bound: float, span: int = 48) -> list[float]:
     exp(l) == bound exactly (in torch and in pmath): exp(log 2 + 1 ulp) == 2.0."""
     l0 = math.log(bound)
     out = [l0] if _agree(l0) else []
-    out += [x for x in _around(l0, span)[1:] if _agree(x) and pmath.exp(x) == bound]
+    out += [x for x in _around(l0, span)[1:] if _agree(x) and crmath.exp(x) == bound]
     return out
 
 
@@ -78,16 +78,16 @@ def dp_ties(eps: float) -> list[tuple[float, float]]:
     differs in the last bit (or the reverse)."""
     out = []
     for x in _around(math.log(eps), 64):
-        if _agree(x) and pmath.exp(x) == eps:
+        if _agree(x) and crmath.exp(x) == eps:
             out += [(x, -1000.0), (-1000.0, x)]
             break
     rng = np.random.default_rng(int(eps * 1000))
     for q in rng.uniform(0.05, 0.9 - eps, 40):
         lq = math.log(q)
         for x in _around(math.log(q + eps), 6):
-            prob = pmath.exp(x) - pmath.exp(lq)
+            prob = crmath.exp(x) - crmath.exp(lq)
             t = _t_exp(x) - _t_exp(lq)
-            stable = pmath.exp(x) * -pmath.expm1(lq - x)
+            stable = crmath.exp(x) * -crmath.expm1(lq - x)
             if prob == t and (prob == eps) != (stable == eps):
                 out.append((x, lq))
                 break
@@ -114,7 +114,7 @@ def edge_log() -> pl.DataFrame:
     for eps in (0.3, 0.1, 0.2, 0.15):
         token += dp_ties(eps)
     token += [pair(1.0), pair(-1.0)]  # k2 == 0.5 exactly
-    k3 = _search(lambda x: torch.exp(x) - 1.0 - x, lambda x: (pmath.exp(x) - 1.0) - x, 0.5, 0.8577)
+    k3 = _search(lambda x: torch.exp(x) - 1.0 - x, lambda x: (crmath.exp(x) - 1.0) - x, 0.5, 0.8577)
     token += [pair(x) for x in k3]
     extreme = [
         (0.0, 0.0),  # p = q = 1
@@ -136,7 +136,7 @@ def edge_log() -> pl.DataFrame:
     for b in (2.0, 3.0, 5.0, 0.5, 0.99, 1.01, 0.1, 10.0):
         one += ratio_ties(b)
     one += [-math.log(0.5), -math.log(2.0), -math.log(0.999), -math.log(1.001)]  # verl k1
-    one += [x for x in _around(math.log(1.5), 8) if _agree(x) and pmath.exp(x) == 1.5]
+    one += [x for x in _around(math.log(1.5), 8) if _agree(x) and crmath.exp(x) == 1.5]
     one += _search(lambda x: 0.5 * x * x, lambda x: 0.5 * x * x, 2.5, math.sqrt(5.0), 200)
     one += [25.0, -25.0, 0.0]
     sid = 100
@@ -340,7 +340,7 @@ def test_ratio_space_ties_decide_as_the_frameworks_do(logs):
     """Point 6: at l = log 2 + 1 ulp, exp(l) == 2.0: verl's TIS (weight > 2) does not
     truncate it, the bare rule's log-space test (l > log 2) does."""
     x = math.nextafter(math.log(2.0), math.inf)
-    assert pmath.exp(x) == 2.0 == _t_exp(x)
+    assert crmath.exp(x) == 2.0 == _t_exp(x)
     df = canonical_log([0.0], [-x], step=0, sample_id=[0])
     path = write_log(logs["edge"].parent / "tie.parquet", df)
     assert _masked(path, "tis:cap=2") == 1
@@ -381,14 +381,14 @@ def test_preset_windows_cover_the_framework_forms():
     lp = np.concatenate([-rng.exponential(s, n) for s in (1.0, 1e-7, 1e-3)] + [[0.0, -800.0]])
     lq = np.concatenate([-rng.exponential(s, n) for s in (1e-7, 1.0, 1e-3)] + [[-800.0, 0.0]])
     for c in (1e-6, 1e-8):
-        p = np.clip(pmath.exp(lp), c, 1 - c)
-        q = np.clip(pmath.exp(lq), c, 1 - c)
+        p = np.clip(crmath.exp(lp), c, 1 - c)
+        q = np.clip(crmath.exp(lq), c, 1 - c)
         a = np.fmax(binary_kl_prob(p, q), binary_kl_prob(q, p))
         b = np.maximum(binary_kl(lp, lq, c), binary_kl(lq, lp, c))
         assert np.abs(a - b).max() < 0.01 * token.FUZZY_KL / c
     hi, lo = np.maximum(lp, lq), np.minimum(lp, lq)
     stable = pmath.exp(hi) * -pmath.expm1(lo - hi)
-    prob = np.abs(pmath.exp(lp) - pmath.exp(lq))
+    prob = np.abs(crmath.exp(lp) - crmath.exp(lq))
     assert np.abs(prob - stable).max() < 0.1 * token.FUZZY_PROB
 
 
@@ -440,7 +440,7 @@ def _same_exp(df: pl.DataFrame) -> pl.DataFrame:
     lq = df["inference_logprob"].to_numpy()
     keep = np.ones(df.height, dtype=bool)
     for x in (lp, lq, lp - lq, np.clip(lp - lq, -20.0, 20.0)):
-        keep &= pmath.exp(x) == torch.exp(torch.tensor(x, dtype=torch.float64)).numpy()
+        keep &= crmath.exp(x) == torch.exp(torch.tensor(x, dtype=torch.float64)).numpy()
     return df.filter(pl.Series(keep))
 
 

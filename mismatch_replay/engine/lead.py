@@ -73,7 +73,11 @@ class Leading:
         need = {c for c in ("sample_id", "advantage", "entropy") if c in fcols}
         if not need <= cols or (f.has_seq and not self.has_seq):
             return False
-        return (self.has_adv or not f.has_adv) and (self.clamped_seq or not f.clamped_seq)
+        return (
+            (self.has_adv or not f.has_adv)
+            and (self.clamped_seq or not f.clamped_seq)
+            and "f32" not in f.seq_extras  # float32 twins: its own pass
+        )
 
     def _stage(self, df: pl.DataFrame, lead: fast.Fused) -> tuple | None:
         """(Follower.) Before the leader's pass over this batch: this Tally's group codes of

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -63,13 +64,17 @@ def replay(
 ) -> Tally:
     """Stream the sources once and return the Tally for these rules and sweeps.
 
-    `precision="float32"` replays every rule decision in the float32 arithmetic the
-    frameworks run on the GPU (rules.TokenBatch): the log-probs rounded to float32, each
-    rule's score computed in float32 (a preset's in its framework's formula), the
-    thresholds rounded to float32, NaN decided as the framework's comparison decides it.
-    Sequence sums are float32 values added in float64 and rounded once (a GPU's float32
-    reduction order cannot be reproduced). It runs on the simple path; the metrics and the
-    scatter stay float64. None: `use_precision`'s default, else "float64".
+    Precision: each rule decides in its own `precision`: a framework preset in its
+    framework's (float32: `Rule.native_precision`), a bare rule in float64. `precision=
+    "float32"` forces every rule decision into the float32 arithmetic the frameworks run on
+    the GPU (rules.TokenBatch): the log-probs rounded to float32, each rule's score computed
+    in float32 (a preset's in its framework's formula), the thresholds rounded to float32,
+    NaN decided as the framework's comparison decides it; `"float64"` forces exact
+    arithmetic (a preset's formula with correctly rounded exp: crmath). Sequence sums of a
+    float32 rule are float32 values added in float64 and rounded once (a GPU's float32
+    reduction order cannot be reproduced). float32 jobs run on the simple path, job by job;
+    the metrics and the scatter stay float64. None: `use_precision`'s default, else each
+    rule's own.
 
     `final=True` promises that this Tally will not be added to another: m2po's steps are
     then resolved during the replay as soon as the rows still to come cannot hold them (from
@@ -104,9 +109,8 @@ def replay(
         jobs, notes = check_jobs(jobs, plan.columns, str(plan.files[0])), []
     if precision is None:
         precision = current_precision()
-    if precision is not None:
-        jobs = with_precision(jobs, check_precision(precision))
-    precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
+    jobs, precision, more = resolve_precision(jobs, precision)
+    notes = [*notes, *more]
     if engine == "ray":
         if shape is not None:
             raise ValueError("replay(shape=...) runs on the local engine")
@@ -135,6 +139,27 @@ def replay(
         )
     tally.rule_warnings = spec_warnings(rules or [])
     return tally
+
+
+def resolve_precision(jobs, precision: str | None) -> tuple[list[Job], str, list[str]]:
+    """(jobs, the Tally's m2po precision, notes): `precision` (None: each rule's own) forced
+    on every job; m2po ranks one l^2 per token, so where m2po jobs of both precisions meet
+    all rank in float32 (a note says so)."""
+    jobs = list(jobs)
+    notes = []
+    if precision is not None:
+        jobs = with_precision(jobs, check_precision(precision))
+    steps = {j.rule.precision for j in jobs if j.rule.level == "step"}
+    if steps == {"float64", "float32"}:
+        jobs = [
+            replace(j, rule=j.rule.replace(precision="float32")) if j.rule.level == "step" else j
+            for j in jobs
+        ]
+        notes.append(
+            "m2po jobs in float64 and float32 together: every m2po job ranks in float32 here "
+            "(replay them apart, or pass --precision, for the float64 ranking)"
+        )
+    return jobs, ("float32" if "float32" in steps else "float64"), notes
 
 
 def _local_tally(plan, jobs, notes, by, match, bootstrap, robust, tail, precision, lengths=None):
@@ -285,10 +310,8 @@ def replay_together(
             jobs, notes = plan_jobs(kw.get("rules"), kw.get("sweeps"), plan.columns)
         else:
             jobs, notes = check_jobs(jobs, plan.columns, str(plan.files[0])), []
-        precision = kw.get("precision") or current_precision()
-        if precision is not None:
-            jobs = with_precision(jobs, check_precision(precision))
-        precision = "float32" if any(j.rule.precision == "float32" for j in jobs) else "float64"
+        jobs, precision, more = resolve_precision(jobs, kw.get("precision") or current_precision())
+        notes = [*notes, *more]
         tally, cols, keep = _local_tally(
             plan, jobs, notes, kw.get("by"), None, None, kw.get("robust", False),
             kw.get("tail"), precision,

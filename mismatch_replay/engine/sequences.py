@@ -44,7 +44,7 @@ from .bins import Grow
 
 # The engine's per-sequence sum beside the rules' statistics: the |dp| mass of a sequence
 # (a sequence rule's masked mass), from the float64 batch.
-MASS = SeqStat("mass", "sum", "abs_dp", replay_precision=False, doc="sum of |dp|")
+MASS = SeqStat("mass", "sum", "abs_dp", doc="sum of |dp|")
 SUMS: tuple[SeqStat, ...] = (*SEQ_STATS, MASS)
 # Codes of a sequence, its first token's: its --by group and its prompt group (-1: none yet).
 CODES = ("group", "pgroup")
@@ -236,13 +236,13 @@ class Sequences:
         cur = acc.a[rev]
         acc.a[rev] = np.where(cur < 0, codes[::-1], cur)
 
-    def add_numpy(self, tb: TokenBatch, ts: TokenBatch, g: np.ndarray, seq, optional: bool) -> None:
+    def add_numpy(self, tb: TokenBatch, g: np.ndarray, seq, extras) -> None:
         """The simple path's partials of a batch: every statistic of SUMS (the optional ones
-        only when `optional`) and each sequence's first group; `tb` is the float64 batch,
-        `ts` the batch in the replay's precision, `seq` what `codes` gave."""
+        when `extras`, a set of SeqStat.extras kinds, keeps them) and each sequence's first
+        group; `tb` is the float64 batch, `seq` what `codes` gave."""
         uniq, local = seq[1]
-        stats = [s for s in SUMS if optional or not s.optional]
-        parts = partials(stats, tb, ts, local, uniq.shape[0])
+        stats = [s for s in SUMS if s.kept(extras)]
+        parts = partials(stats, tb, local, uniq.shape[0])
         first = np.full(uniq.shape[0], -1.0)
         first[local[::-1]] = g[::-1]  # first token's group wins
         parts["group"] = first
@@ -287,24 +287,20 @@ class Sequences:
         return smap
 
     # -- results
-    def stats(self, has_adv: bool, optional: bool) -> SeqStats:
-        """The SeqStats sequence rules score (the optional sums only when kept)."""
-        cols = {
-            s.name: (self.column(s.name) if optional or not s.optional else None) for s in SEQ_STATS
-        }
+    def stats(self, has_adv: bool, extras) -> SeqStats:
+        """The SeqStats sequence rules score (the optional sums only when kept: `extras`)."""
+        cols = {s.name: (self.column(s.name) if s.kept(extras) else None) for s in SEQ_STATS}
         return SeqStats(**cols, has_adv=has_adv)
 
 
-def partials(
-    stats, tb: TokenBatch, ts: TokenBatch, local: np.ndarray, m: int
-) -> dict[str, np.ndarray]:
+def partials(stats, tb: TokenBatch, local: np.ndarray, m: int) -> dict[str, np.ndarray]:
     """Per-sequence partials of `stats` over a batch's tokens (`local`: each token's index
-    among the batch's m sequences), each from `tb` (float64) or `ts` (the replay's
-    precision; float32 values are added in float64). A statistic of a column the batch
+    among the batch's m sequences), each from `tb` (float64) or, for a float32 twin, from
+    `tb` in float32 (float32 values added in float64). A statistic of a column the batch
     lacks (no advantage) is left out."""
     parts: dict[str, np.ndarray] = {}
     for stat in stats:
-        v = stat.per_token(ts if stat.replay_precision else tb)
+        v = stat.per_token(tb)
         if v is None and stat.quantity is not None:
             continue
         if stat.combine == "sum":

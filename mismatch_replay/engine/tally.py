@@ -61,7 +61,7 @@ from .. import fast, pmath
 from ..errors import UsageError
 from ..ingest import ReadReport
 from ..metrics import MetricSums
-from ..rules import LOG_CLAMP, SeqStats, TokenBatch
+from ..rules import LOG_CLAMP, SeqStats, TokenBatch, seq_extras
 from .bins import (
     Q_BUCKET_EDGES,
     SCATTER_BINS,
@@ -173,13 +173,16 @@ class Tally(Leading):
         self._external = False  # set_bins: the bins were counted elsewhere
         self._init_leading()  # one read's Tallies: lead.py
         self.version = 0  # bumped by every change (m2po's bins and the layout cache on it)
-        if any(j.rule.precision == "float32" for j in self.jobs):
+        # m2po ranks one l^2 per token: in float32 when a float32 m2po job runs (then every
+        # m2po job of this Tally ranks in float32; replay() says so). Token and sequence
+        # jobs decide in their own rule's precision.
+        if any(j.rule.precision == "float32" and j.rule.level == "step" for j in self.jobs):
             self.precision = "float32"
-        # verl's sequence presets read sums of l clamped to +-20 (SeqStats.sum_lc, sum_k3c):
-        # kept only when a job needs them (the fused kernel does not compute them)
-        self.clamped_seq = any(
-            j.rule.level == "sequence" and j.rule.arith in ("verl", "verl-k1") for j in self.jobs
-        )
+        # verl's sequence presets read sums of l clamped to +-20 (SeqStats.sum_lc, sum_k3c),
+        # float32 sequence rules the float32 twins: kept only when a job needs them (the
+        # fused kernel does not compute them)
+        self.seq_extras = seq_extras(self.jobs)
+        self.clamped_seq = "clamped" in self.seq_extras
 
     # -- the parts' public faces
     @property
@@ -329,7 +332,7 @@ class Tally(Leading):
         if self.boot_replicates:
             self._fused_off = "bootstrap replicates (the simple path)"
         elif self.precision != "float64":
-            self._fused_off = f"{self.precision} replay"
+            self._fused_off = f"{self.precision} m2po replay"
         elif fast.backend() != "numba":
             self._fused_off = _numpy_backend_reason()
         if self._fused_off is not None:
@@ -438,12 +441,10 @@ class Tally(Leading):
             uniq, local = seq[1]
             parts = {k: v for k, v in out.seq.items() if adv is not None or k != "sum_adv"}
             parts["group"] = out.seq_first.astype(np.float64)
-            rest = [
-                s for s in SUMS if s.name not in out.seq and (self.clamped_seq or not s.optional)
-            ]
-            if rest:  # statistics the kernel does not compute (verl's clamped sums): numpy
+            rest = [s for s in SUMS if s.name not in out.seq and s.kept(self.seq_extras)]
+            if rest:  # statistics the kernel does not compute (clamped, float32): numpy
                 tb = TokenBatch(lp, lq, adv)
-                parts |= partials(rest, tb, tb.at(self.precision), local, uniq.shape[0])
+                parts |= partials(rest, tb, local, uniq.shape[0])
             self.sequences.merge(parts, uniq)
         if has_m2po and out.m2po_x is not None:
             self.m2po_part.add(
@@ -496,8 +497,7 @@ class Tally(Leading):
         if self.scatter:
             self._add_scatter(tb)
         if seq is not None:
-            ts = tb.at(self.precision)  # the per-token values in the replay's arithmetic
-            self.sequences.add_numpy(tb, ts, g, seq, self.clamped_seq)
+            self.sequences.add_numpy(tb, g, seq, self.seq_extras)
         boot = self._boot_units(df, seq) if self.boot_replicates else None
         if self.robust:
             add_robust(self, df, tb, g, G)
@@ -737,7 +737,7 @@ class Tally(Leading):
     # -- results
     def seq_stats(self) -> SeqStats:
         """The per-sequence statistics sequence rules score."""
-        return self.sequences.stats(self.has_adv, self.clamped_seq)
+        return self.sequences.stats(self.has_adv, self.seq_extras)
 
     def job_bins(self, ji: int) -> JobBins:
         """The finished per-bin sums of job `ji`, shape (groups, K + 2): a token job's bins

@@ -36,6 +36,7 @@ from .base import (
     round_to,
     safe_log,
     select,
+    seq_extras,
 )
 
 # The rule modules register their rules in this order, REGISTRY's (the catalogue's and a
@@ -129,5 +130,6 @@ __all__ = [
     "round_to",
     "safe_log",
     "select",
+    "seq_extras",
     "spec_warnings",
 ]

@@ -34,7 +34,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import pmath
+from .. import crmath, pmath
 from ..errors import UsageError
 
 LOG_CLAMP = 20.0  # |log ratio| clamp before exp for weights and metrics (verl, slime, SkyRL)
@@ -58,12 +58,49 @@ class F64:
         return np.asarray(x, dtype=np.float64)
 
 
+class F64CR:
+    """float64 arithmetic with correctly rounded exp and expm1 (crmath): a framework preset's
+    formula in exact arithmetic, deciding its ties as torch does (exp(log 0.8) is
+    0.7999999999999999, pmath's 0.8). log is pmath's."""
+
+    name = "float64"
+    dtype = np.float64
+    exp = staticmethod(crmath.exp)
+    expm1 = staticmethod(crmath.expm1)
+    log = staticmethod(pmath.log)
+
+    @staticmethod
+    def cast(x) -> np.ndarray:
+        return np.asarray(x, dtype=np.float64)
+
+
+def _round32(y64: np.ndarray, x: np.ndarray, exact) -> np.ndarray:
+    """y64 (pmath, within 3 ulps of f(x)) rounded to float32, correctly: where y64 lies
+    within 16 float64 ulps of a float32 rounding boundary the correctly rounded float64
+    `exact(x)` is rounded instead (a few values in a million)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        y32 = y64.astype(np.float32)
+        back = y32.astype(np.float64)
+        half = (
+            np.minimum(
+                np.abs(np.spacing(y32)), np.abs(np.spacing(np.nextafter(y32, np.float32(0))))
+            ).astype(np.float64)
+            * 0.5
+        )
+        near = np.abs(half - np.abs(y64 - back)) <= 16.0 * np.abs(np.spacing(y64))
+        near &= np.isfinite(y64) & (y64 != 0.0)
+    if near.any():
+        y32[near] = exact(x[near]).astype(np.float32)
+    return y32
+
+
 class F32:
     """float32 arithmetic as the frameworks run it on the GPU: every value and every
     operation in float32 (numpy's float32 +, -, *, / are correctly rounded, as the GPU's
-    are), exp/expm1/log correctly rounded to float32 (pmath in float64, then rounded once;
-    the GPU's expf/logf are within 1-2 ulp of that, so a value within an ulp of a float32
-    threshold may decide differently there)."""
+    are), exp/expm1/log correctly rounded to float32 (pmath in float64, rounded once; near
+    a float32 rounding boundary the correctly rounded float64 of crmath, rounded: torch's
+    expf on these values; a GPU's expf is within 1-2 ulp of it, so a value within an ulp of
+    a float32 threshold may decide differently there)."""
 
     name = "float32"
     dtype = np.float32
@@ -75,11 +112,15 @@ class F32:
 
     @staticmethod
     def exp(x):
-        return F32._round(pmath.exp(np.asarray(x, dtype=np.float64)))
+        x = np.asarray(x, dtype=np.float64)
+        x1 = np.atleast_1d(x)
+        return _round32(np.asarray(pmath.exp(x1)), x1, crmath.exp).reshape(x.shape)
 
     @staticmethod
     def expm1(x):
-        return F32._round(pmath.expm1(np.asarray(x, dtype=np.float64)))
+        x = np.asarray(x, dtype=np.float64)
+        x1 = np.atleast_1d(x)
+        return _round32(np.asarray(pmath.expm1(x1)), x1, crmath.expm1).reshape(x.shape)
 
     @staticmethod
     def log(x):
@@ -90,7 +131,9 @@ class F32:
         return F32._round(x)
 
 
-OPS = {"float64": F64, "float32": F32}
+# "exact": a framework preset's formula in float64 with correctly rounded exp (F64CR); the
+# user-facing names are PRECISIONS ("float64" selects it for a preset, F64 for a bare rule)
+OPS = {"float64": F64, "float32": F32, "exact": F64CR}
 
 
 def round_to(values, precision: str) -> np.ndarray:
@@ -268,14 +311,24 @@ def binary_kl_prob(p: np.ndarray, q: np.ndarray, X=F64) -> np.ndarray:
 class SeqStat:
     """One per-sequence statistic the sequence rules read: the per-token quantity it
     aggregates over a sequence's loss tokens and how two partial values of one sequence
-    (two batches, two files, two workers) combine."""
+    (two batches, two files, two workers) combine. `extras`: the kinds of job that need it
+    kept (empty: always kept; "clamped": verl's clamped sums; "f32": a sequence rule
+    replayed in float32, whose statistics come from the float32 batch, `f32`)."""
 
     name: str  # the SeqStats field
     combine: str  # "sum" | "max" | "min"
     quantity: str | None  # the TokenBatch attribute aggregated; None: counts the tokens
-    optional: bool = False  # kept only when a job reads it (verl's clamped sums)
-    replay_precision: bool = True  # read from the batch in the replay's arithmetic
+    extras: frozenset = frozenset()
+    f32: bool = False  # from the batch in float32 (else the float64 batch)
     doc: str = ""
+
+    @property
+    def optional(self) -> bool:
+        return bool(self.extras)
+
+    def kept(self, extras) -> bool:
+        """Whether a Tally with these extras (a set of kinds) keeps this statistic."""
+        return self.extras <= set(extras)
 
     @property
     def fill(self) -> float:
@@ -283,23 +336,40 @@ class SeqStat:
         return {"sum": 0.0, "max": -math.inf, "min": math.inf}[self.combine]
 
     def per_token(self, batch: TokenBatch) -> np.ndarray | None:
-        """The per-token values this statistic aggregates (None: it counts tokens)."""
-        return None if self.quantity is None else getattr(batch, self.quantity)
+        """The per-token values this statistic aggregates (None: it counts tokens), from
+        `batch` (float64) or, for a float32 statistic, the batch in float32."""
+        if self.quantity is None:
+            return None
+        return getattr(batch.at("float32") if self.f32 else batch, self.quantity)
 
 
+_CLAMPED = frozenset({"clamped"})
+_F32 = frozenset({"f32"})
 # The sequence statistics, in SeqStats' field order. A token whose batch has no advantage
-# column adds nothing to sum_adv (SeqStats.has_adv is then False); `sum_adv` reads the
-# float64 batch, the others the batch in the replay's precision.
-SEQ_STATS: tuple[SeqStat, ...] = (
+# column adds nothing to sum_adv (SeqStats.has_adv is then False). Each statistic of the
+# log ratio has a float32 twin (`_f32`, from the float32 batch: lp and lq rounded, l and
+# its functions in float32, added in float64), kept when a sequence rule replays in float32.
+_BASE_STATS = (
     SeqStat("n", "sum", None, doc="loss tokens n_i"),
     SeqStat("sum_l", "sum", "l", doc="S_i, the sum of l"),
     SeqStat("sum_k3", "sum", "k3", doc="sum of k3"),
     SeqStat("max_k2", "max", "k2", doc="largest k2"),
     SeqStat("min_l", "min", "l", doc="smallest l (veto)"),
     SeqStat("sum_exp_abs_l", "sum", "exp_abs_l", doc="sum of exp(|l|) (prob-error)"),
-    SeqStat("sum_adv", "sum", "advantage", replay_precision=False, doc="sum of the advantage"),
-    SeqStat("sum_lc", "sum", "lc", optional=True, doc="sum of clip(l, -20, 20) (verl's k1)"),
-    SeqStat("sum_k3c", "sum", "k3_verl", optional=True, doc="sum of verl's token_k3"),
+    SeqStat("sum_adv", "sum", "advantage", doc="sum of the advantage"),
+    SeqStat("sum_lc", "sum", "lc", _CLAMPED, doc="sum of clip(l, -20, 20) (verl's k1)"),
+    SeqStat("sum_k3c", "sum", "k3_verl", _CLAMPED, doc="sum of verl's token_k3"),
+)
+F32_TWINS = ("sum_l", "sum_k3", "max_k2", "min_l", "sum_exp_abs_l", "sum_lc", "sum_k3c")
+SEQ_STATS: tuple[SeqStat, ...] = (
+    *_BASE_STATS,
+    *(
+        dataclasses.replace(
+            s, name=f"{s.name}_f32", extras=s.extras | _F32, f32=True, doc=f"{s.doc}, float32"
+        )
+        for s in _BASE_STATS
+        if s.name in F32_TWINS
+    ),
 )
 
 
@@ -307,7 +377,8 @@ SEQ_STATS: tuple[SeqStat, ...] = (
 class SeqStats:
     """Per-sequence statistics (shape (S,)), one field per entry of SEQ_STATS in its order
     (a test keeps them equal; the optional ones default to None), combinable across
-    batches: what sequence rules read."""
+    batches: what sequence rules read (`Rule.seq_stat` picks the float32 twin for a rule
+    replayed in float32)."""
 
     n: np.ndarray  # loss tokens
     sum_l: np.ndarray  # S_i
@@ -319,6 +390,13 @@ class SeqStats:
     has_adv: bool = True  # False: the log has no advantage column (sum_adv stays 0)
     sum_lc: np.ndarray | None = None  # sum of clip(l, -20, 20) (verl's k1 sums)
     sum_k3c: np.ndarray | None = None  # sum of verl's token_k3 (l clamped to +-20)
+    sum_l_f32: np.ndarray | None = None  # the float32 twins (kept for float32 replays)
+    sum_k3_f32: np.ndarray | None = None
+    max_k2_f32: np.ndarray | None = None
+    min_l_f32: np.ndarray | None = None
+    sum_exp_abs_l_f32: np.ndarray | None = None
+    sum_lc_f32: np.ndarray | None = None
+    sum_k3c_f32: np.ndarray | None = None
 
     @property
     def G(self) -> np.ndarray:
@@ -337,6 +415,20 @@ class SeqStats:
         if v is None:  # pragma: no cover - the engine keeps them when a job needs them
             raise AssertionError(f"internal error: sequence sums lack {name}")
         return v
+
+
+def seq_extras(jobs) -> frozenset:
+    """The optional sequence statistics (SeqStat.extras kinds) the jobs' rules read."""
+    out = set()
+    for j in jobs:
+        r = j.rule
+        if r.level != "sequence":
+            continue
+        if r.arith in ("verl", "verl-k1"):
+            out.add("clamped")
+        if r.precision == "float32":
+            out.add("f32")
+    return frozenset(out)
 
 
 def safe_log(x: float) -> float:
@@ -476,6 +568,11 @@ class Rule:
     preset_arith: ClassVar[dict[str, str]] = {}
     # Where each preset's values and arithmetic were read: preset -> "file @ commit".
     preset_sources: ClassVar[dict[str, str]] = {}
+    # Presets whose precision is not their framework's (FRAMEWORK_PRECISION): preset ->
+    # "float64" | "float32" (native_precision)
+    preset_precision: ClassVar[dict[str, str]] = {}
+    # Why a preset's float32 count differs from its exact one (the precision note)
+    precision_causes: ClassVar[dict[str, str]] = {}
     inclusive: ClassVar[bool] = False
     # The per-token quantity each threshold parameter thresholds, a name of
     # fast.coordinates.QUANTITIES ("|dp|", "log r", "k3", "bkl", ...): with it the fused path
@@ -510,7 +607,7 @@ class Rule:
             cls.label = cls.name  # a subclass with its own name does not inherit a label
 
     def __post_init__(self):
-        if self.precision not in OPS:
+        if self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision}: use one of {', '.join(PRECISIONS)}.")
         for p in self.params:
             v = getattr(self, p.name)
@@ -524,12 +621,47 @@ class Rule:
         return type(self).preset_arith.get(self.preset, "")
 
     @property
+    def ops(self) -> str:
+        """The key of OPS this rule computes in: a framework preset's formula in float64
+        takes the correctly rounded exp ("exact": its ties decide as torch's), a bare rule
+        pmath's (the fused kernel's bits)."""
+        if self.precision == "float64" and self.preset:
+            return "exact"
+        return self.precision
+
+    @property
     def X(self):
-        return OPS[self.precision]
+        return OPS[self.ops]
 
     def at_precision(self, b):
-        """The batch in this rule's precision (a TokenBatch; SeqStats pass through)."""
-        return b.at(self.precision) if isinstance(b, TokenBatch) else b
+        """The batch in this rule's arithmetic (a TokenBatch; SeqStats pass through)."""
+        return b.at(self.ops) if isinstance(b, TokenBatch) else b
+
+    def seq_stat(self, s: SeqStats, name: str) -> np.ndarray:
+        """A sequence statistic in this rule's precision: the float32 twin for float32."""
+        return s.clamped(f"{name}_f32" if self.precision == "float32" else name)
+
+    @classmethod
+    def native_precision(cls, preset: str) -> str:
+        """The precision a preset replays in by default: its framework's (float32 where its
+        code computes on float32 tensors, as a real run holds them: FRAMEWORK_PRECISION),
+        "float64" for a paper's or docs' values (no framework code)."""
+        if preset in cls.preset_precision:
+            return cls.preset_precision[preset]
+        fw = (
+            FRAMEWORK_OF.get(preset)
+            if (preset in cls.preset_arith or preset in cls.preset_sources)
+            else None
+        )
+        return FRAMEWORK_PRECISION[fw][0] if fw else "float64"
+
+    @classmethod
+    def precision_source(cls, preset: str) -> str:
+        """Where the preset's precision was read (file:line @ commit, what it shows)."""
+        fw = FRAMEWORK_OF.get(preset)
+        if cls.native_precision(preset) == "float64" or not fw:
+            return "no framework code: exact arithmetic"
+        return FRAMEWORK_PRECISION[fw][1]
 
     # -- parameters
     @classmethod
@@ -662,6 +794,62 @@ AREAL_ACTOR = "AReaL areal/trainer/ppo/actor.py @ cbff54d"
 TRL_GRPO = "trl trl/trainer/grpo_trainer.py @ f2cd577"
 SKYRL_OPC = "SkyRL skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py @ a956457"
 NEMO_GRPO = "NeMo-RL nemo_rl/algorithms/grpo.py @ 7ea279a"
+SLIME_LOSS = "slime slime/backends/megatron_utils/loss.py @ 624b824"
+SLIME_TIS = "slime examples/train_infer_mismatch_helper/mis.py @ 624b824"
+
+# The framework a preset name belongs to (a paper's or docs' values belong to none).
+FRAMEWORK_OF = {
+    "prime-rl": "prime-rl",
+    "prime-rl-legacy": "prime-rl",
+    "verl": "verl",
+    "verl-k1": "verl",
+    "areal": "AReaL",
+    "trl": "TRL",
+    "skyrl": "SkyRL",
+    "nemo-rl": "NeMo-RL",
+    "slime": "slime",
+    "slime-geo": "slime",
+}
+# Each framework's arithmetic on the tensors a real run holds: (precision, where the code
+# shows it). Every one computes its masks on float32 log-prob tensors.
+FRAMEWORK_PRECISION = {
+    "prime-rl": (
+        "float32",
+        "prime-rl src/prime_rl/trainer/models/layers/lm_head.py:115 @ 559b447 (trainer "
+        "logprobs allocated float32; loss.py computes on them and the float32 inference "
+        "logprobs)",
+    ),
+    "verl": (
+        "float32",
+        "verl verl/workers/actor/dp_actor.py:435 @ b178a3c (log_probs torch.float32; "
+        "rollout_corr_helper.py subtracts the float32 rollout_log_probs from them)",
+    ),
+    "AReaL": (
+        "float32",
+        "AReaL areal/utils/functional/vocab_parallel.py:19 (log_softmax(logits.float())) "
+        "and functional.py:231 (.float() before the log ratio) @ cbff54d",
+    ),
+    "TRL": (
+        "float32",
+        "trl trl/trainer/grpo_trainer.py:2399 @ f2cd577 (torch.tensor(logps): vLLM's "
+        "sampling logprobs as float32, torch's default dtype)",
+    ),
+    "SkyRL": (
+        "float32",
+        "SkyRL skyrl/backends/skyrl_train/utils/torch_utils.py:191 @ a956457 "
+        "(safe_exp_delta: delta.to(torch.float32) before clamp and exp)",
+    ),
+    "NeMo-RL": (
+        "float32",
+        "NeMo-RL nemo_rl/algorithms/loss_functions.py @ 7ea279a (prev_logprobs and "
+        "generation_logprobs as float32 tensors)",
+    ),
+    "slime": (
+        "float32",
+        "slime slime/backends/megatron_utils/loss.py @ 624b824 (log_probs and "
+        "rollout_log_probs float32)",
+    ),
+}
 
 
 def band(param: str, x: np.ndarray, lo: float, hi: float):

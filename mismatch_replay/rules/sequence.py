@@ -88,9 +88,10 @@ class SeqTIS(Rule):
         return float(value) if self.arith else safe_log(value)
 
     def score(self, s, param):
+        sum_l = self.seq_stat(s, "sum_l")
         if self.arith in ("ratio", "ratio-clamp"):
-            return as_f64(_seq_ratio(self, s.sum_l, self.arith == "ratio-clamp"))
-        return as_f64(self.X.cast(s.sum_l))
+            return as_f64(_seq_ratio(self, sum_l, self.arith == "ratio-clamp"))
+        return as_f64(self.X.cast(sum_l))
 
     def weight(self, s, param):
         return pmath.exp(np.clip(s.sum_l, -LOG_CLAMP, LOG_CLAMP))
@@ -104,11 +105,12 @@ class _SeqBand(Rule):
     mean = False  # x = S_i (False) or G_i = S_i / n_i (True)
 
     def _x(self, s) -> np.ndarray:
-        return _seq_mean(self, s.sum_l, s.n) if self.mean else self.X.cast(s.sum_l)
+        sum_l = self.seq_stat(s, "sum_l")
+        return _seq_mean(self, sum_l, s.n) if self.mean else self.X.cast(sum_l)
 
     def _k1(self, s) -> np.ndarray:
         """verl's k1 statistic: -sum of clip(l, -20, 20), or its mean over the tokens."""
-        lc = s.clamped("sum_lc")
+        lc = self.seq_stat(s, "sum_lc")
         y = _seq_mean(self, lc, s.n) if self.mean else self.X.cast(lc)
         return -y
 
@@ -236,7 +238,7 @@ class SeqMeanK3(Rule):
     hi: float | None = 0.01
 
     def score(self, s, param):
-        total = s.clamped("sum_k3c") if self.arith == "verl" else s.sum_k3
+        total = self.seq_stat(s, "sum_k3c" if self.arith == "verl" else "sum_k3")
         return as_f64(_seq_mean(self, total, s.n))
 
 
@@ -259,7 +261,7 @@ class SeqMaxK2(Rule):
     hi: float | None = 2.5
 
     def score(self, s, param):
-        m = self.X.cast(s.max_k2)
+        m = self.X.cast(self.seq_stat(s, "max_k2"))
         return as_f64(np.minimum(m, 0.5 * LOG_CLAMP * LOG_CLAMP) if self.arith == "verl" else m)
 
 
@@ -285,7 +287,7 @@ class Veto(Rule):
         return -safe_log(value)
 
     def score(self, s, param):
-        return as_f64(-self.X.cast(s.min_l))
+        return as_f64(-self.X.cast(self.seq_stat(s, "min_l")))
 
 
 @register
@@ -309,7 +311,8 @@ class OPSM(Rule):
     delta: float | None = None
 
     def score(self, s, param):
-        return select(s.adv(self.name) < 0, -_seq_mean(self, s.sum_l, s.n), -INF)
+        mean = _seq_mean(self, self.seq_stat(s, "sum_l"), s.n)
+        return select(s.adv(self.name) < 0, -mean, -INF)
 
 
 @register
@@ -338,7 +341,7 @@ class GSPO(Rule):
 
     def score(self, s, param):
         a = s.adv(self.name)
-        g = self.X.exp(_seq_mean(self, s.sum_l, s.n))
+        g = self.X.exp(_seq_mean(self, self.seq_stat(s, "sum_l"), s.n))
         if param == "eps_high":
             down = (a < 0) & (g < 1.0 - self.eps_low)
             return select(down, INF, select(a > 0, g, -INF))
@@ -366,4 +369,4 @@ class ProbError(Rule):
     tau: float | None = 1.5
 
     def score(self, s, param):
-        return as_f64(_seq_mean(self, s.sum_exp_abs_l, s.n))
+        return as_f64(_seq_mean(self, self.seq_stat(s, "sum_exp_abs_l"), s.n))

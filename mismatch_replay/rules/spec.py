@@ -1,8 +1,10 @@
 """Rule SPECs and GRIDs: the text a user types, parsed into a Rule or a grid of values.
 
 SPEC: `name`, `name:k=v,...`, `name@preset` or `name@preset:k=v` (`ipo:eps=0.3`,
-`icepop@verl:high=3`); a preset whose framework computes the rule differently keeps its
-name on the rule (`rule.preset`). Each value is checked against its parameter's Domain.
+`icepop@verl:high=3`); a preset whose framework computes the rule differently, or in
+float32, keeps its name on the rule (`rule.preset`), and replays in its framework's
+precision (`Rule.native_precision`; --precision overrides). Each value is checked
+against its parameter's Domain.
 GRID: `a,b,c` or `start:stop:num[:log]`, sorted and unique, at most MAX_GRID values.
 `spec_warnings` gives the one-line warning of every preset that follows a framework's
 quirk.
@@ -62,8 +64,11 @@ def parse_rule(spec: str) -> Rule:
             raise UsageError(
                 f"rule '{cls.name}' has no preset '{m['preset']}'; its presets: {known}."
             ) from None
-        if cls.preset_arith.get(m["preset"]):  # the preset follows its framework's arithmetic
+        native = cls.native_precision(m["preset"])
+        # the preset follows its framework's arithmetic, in its framework's precision
+        if cls.preset_arith.get(m["preset"]) or native != "float64":
             values["preset"] = m["preset"]
+        values["precision"] = native
     if m["kv"]:
         given: set[str] = set()
         for item in m["kv"].split(","):
