@@ -4,11 +4,16 @@ masking rule (IPO, IcePop, KPop, DPPO, TIS, sequence rules, ...) across threshol
 The public API is the names below; each is imported on first use, so that `import
 mismatch_replay` (and `mismatch-replay --help`) stays fast:
 
-    sweep, replay      engine: every rule x threshold in one streaming pass -> SweepResult / Tally
-    choose, compare, drift, check      analysis: questions over one replay, dataclass results
-    inspect, convert   ingest: what a log holds; any supported log to the canonical Parquet
+    sweep, replay      every rule x threshold in one streaming pass -> SweepResult / Tally
+    choose, compare, drift, check      questions over one replay, dataclass results
+    inspect, convert   what a log holds; any supported log to the canonical Parquet
+    figure_data        what the figures of `mismatch_replay.viz` draw
     TokenWriter        capture: what a training loop calls to write the canonical table
     Rule, Param, parse_rule            rules: the catalogue, and what a new rule subclasses
+
+The functions live in api.py: sources first, keyword-only options, typed and documented
+(docs/library.md has an example of each); every result is a dataclass with `.table`,
+`.to_dict()` and a notebook rendering, and `print(result)` gives its summary in words.
 
 The packages follow the layers of DESIGN.md, each depending only on those below it:
 cli -> viz / analysis -> engine -> fast -> rules / metrics -> ingest (tests/test_architecture.py
@@ -21,15 +26,18 @@ import importlib
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute): the functions are api.py's (typed, keyword-only options,
+# the internal functions behind them take the engine's plumbing); the classes are their own
 _API = {
-    "sweep": ("engine", "sweep"),
-    "replay": ("engine", "replay"),
-    "choose": ("analysis", "choose"),
-    "compare": ("analysis", "compare"),
-    "drift": ("analysis", "drift"),
-    "check": ("analysis.check", "check"),
-    "inspect": ("analysis.inspect", "inspect_log"),
-    "convert": ("ingest.convert", "convert"),
+    "sweep": ("api", "sweep"),
+    "replay": ("api", "replay"),
+    "choose": ("api", "choose"),
+    "compare": ("api", "compare"),
+    "drift": ("api", "drift"),
+    "check": ("api", "check"),
+    "inspect": ("api", "inspect"),
+    "convert": ("api", "convert"),
+    "figure_data": ("api", "figure_data"),
     "TokenWriter": ("capture", "TokenWriter"),
     "Rule": ("rules", "Rule"),
     "Param": ("rules", "Param"),

@@ -30,7 +30,9 @@ import polars as pl
 from .. import engine, ingest
 from ..errors import UsageError
 from ..metrics import NAMES, MetricSums
+from ..present import Presentable
 from ..rules import parse_rule
+from . import summaries
 
 # dashboard names -> the tool's metric (each equal to it as the README's "Matching your
 # dashboard" states; names for statistics the tool does not compute are refused with a hint)
@@ -96,7 +98,9 @@ class Verdict:
 
 
 @dataclass
-class CheckResult:
+class CheckResult(Presentable):
+    """A verdict a limit; `passed` when all hold; `.table`: one row a verdict."""
+
     verdicts: list[Verdict]
     per_step: bool
     tokens: int
@@ -121,6 +125,13 @@ class CheckResult:
             "verdicts": [v.to_dict() for v in self.verdicts],
             "violations": [v.to_dict() for v in self.violations],
         }
+
+    @property
+    def table(self) -> pl.DataFrame:
+        return summaries.check_table(self)
+
+    def summary_lines(self) -> list[str]:
+        return summaries.check_lines(self)
 
 
 def metric_limit(text: str) -> Limit:

@@ -49,12 +49,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
 from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..gcpause import frozen
+from ..present import Presentable
 from ..rules import REGISTRY, Rule, parse_rule
+from . import summaries
 from .search import (
     REFINE_POINTS,
     Search,
@@ -118,8 +121,9 @@ class Choice:
 
 
 @dataclass
-class ChooseResult(Sequence):
-    """The choices, in rule order (a sequence of `Choice`), and the target they aim at."""
+class ChooseResult(Sequence, Presentable):
+    """The choices, in rule order (a sequence of `Choice`), and the target they aim at;
+    `.table`: one row a choice; `print()`: one line a choice (analysis/summaries.py)."""
 
     target_fraction: float | None
     rows: list[Choice]
@@ -135,6 +139,13 @@ class ChooseResult(Sequence):
 
     def to_dict(self) -> dict:
         return {"target_fraction": self.target_fraction, "rows": [r.to_dict() for r in self.rows]}
+
+    @property
+    def table(self) -> pl.DataFrame:
+        return summaries.choose_table(self)
+
+    def summary_lines(self) -> list[str]:
+        return summaries.choose_lines(self)
 
 
 def _default_choice_rules(columns: Sequence[str]) -> list[Rule]:

@@ -34,12 +34,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
 from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
 from ..gcpause import frozen
+from ..present import Presentable
 from ..rules import Rule, TokenBatch, parse_grid, parse_rule
+from . import summaries
 from .search import Search, first_replay, refine, tail_fraction
 from .tail_counts import TailCounts
 
@@ -94,7 +97,9 @@ class BucketRow:
 
 
 @dataclass
-class CompareResult:
+class CompareResult(Presentable):
+    """Two rules on the same tokens; `.table`: the 2 x 2 cells (analysis/summaries.py)."""
+
     rule_a: str  # the SPECs as set (at the budget, the found values)
     rule_b: str
     budget: float | None
@@ -138,6 +143,13 @@ class CompareResult:
             "where": [w.to_dict() for w in self.where],
             "examples": self.examples,
         }
+
+    @property
+    def table(self) -> pl.DataFrame:
+        return summaries.compare_table(self)
+
+    def summary_lines(self) -> list[str]:
+        return summaries.compare_lines(self)
 
 
 @dataclass

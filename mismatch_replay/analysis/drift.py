@@ -30,11 +30,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
 from .. import engine, ingest
 from ..engine import readout
 from ..errors import DataError, UsageError
+from ..present import Presentable
 from ..rules import Rule, parse_rule
+from . import summaries
 from .figure_data import default_settings
 
 TRIM = 0.01  # trimmed mean of k3: drop this fraction of tokens at each end, per step
@@ -113,7 +116,9 @@ class Baseline:
 
 
 @dataclass
-class DriftResult:
+class DriftResult(Presentable):
+    """Per-step mismatch, drift and spikes, a verdict a rule; `.table`: one row a step."""
+
     factor: float
     min_run: int
     baseline_steps: list[int]
@@ -146,6 +151,13 @@ class DriftResult:
             "rules": [v.to_dict() for v in self.rules],
             "steps": [r.to_dict() for r in self.steps],
         }
+
+    @property
+    def table(self) -> pl.DataFrame:
+        return summaries.drift_table(self)
+
+    def summary_lines(self) -> list[str]:
+        return summaries.drift_lines(self)
 
 
 def _hist_quantile(counts: np.ndarray, q: float) -> float:

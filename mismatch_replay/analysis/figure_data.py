@@ -23,7 +23,9 @@ import numpy as np
 import polars as pl
 
 from .. import engine, ingest
+from ..present import Presentable
 from ..rules import Rule, parse_rule
+from . import summaries
 
 # The settings drawn by default: the two IPO defaults, the two IcePop bands, KPop, DPPO-TV.
 DEFAULT_SETTINGS = (
@@ -46,8 +48,9 @@ NO_LENGTH_NOTE = (
 
 
 @dataclass
-class FigureData:
-    """Everything the figures draw, computed from a log (no raw tokens kept)."""
+class FigureData(Presentable):
+    """Everything the figures draw, computed from a log (no raw tokens kept); `.table`: the
+    full sweep (`sweep`)."""
 
     hist_lin: np.ndarray  # (200, 200) token counts, [q bin, p bin], probability axes
     hist_log: np.ndarray  # (200, 200) token counts, [log10 q bin, log10 p bin]
@@ -64,6 +67,23 @@ class FigureData:
     notes: list[str] = field(default_factory=list)
     # LENGTH_SETTINGS' sweep table by length bucket (None: the log has no sample_id)
     by_length: pl.DataFrame | None = None
+    given: bool = False  # `settings` are the rules the user gave (else DEFAULT_SETTINGS)
+
+    @property
+    def table(self) -> pl.DataFrame:
+        return self.sweep
+
+    def to_dict(self) -> dict:
+        """The tables as rows and the scalars (the histograms as nested lists)."""
+        frames = ("sweep", "steps", "step_metrics", "buckets", "by_length")
+        d = {k: None if getattr(self, k) is None else getattr(self, k).to_dicts() for k in frames}
+        d.update(metrics=dict(self.metrics), tokens=self.tokens, sources=list(self.sources))
+        d.update(settings=[r.spec() for r in self.settings], notes=list(self.notes))
+        d.update(hist_lin=self.hist_lin.tolist(), hist_log=self.hist_log.tolist())
+        return d
+
+    def summary_lines(self) -> list[str]:
+        return summaries.figure_lines(self)
 
 
 def default_settings(columns: Sequence[str]) -> list[Rule]:

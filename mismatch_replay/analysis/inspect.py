@@ -37,10 +37,14 @@ from ..ingest.alignment import AlignmentCheck
 from ..ingest.canonical import DuplicateCheck, IngestWarning, ReadOptions
 from ..ingest.formats.prime_rl import PRIME, PRIME_CHECKS, read_traces
 from ..ingest.formats.records import read_records
+from ..present import Presentable
+from . import summaries
 
 
 @dataclass
-class Summary:
+class Summary(Presentable):
+    """What a log holds; `.table`: the per-step counts and metrics (`per_step`)."""
+
     files: list[str]
     format: str  # parquet, prime-rl, nemo-rl, slime, jsonl
     source: dict[str, str]  # canonical -> source column
@@ -61,6 +65,13 @@ class Summary:
         d = dataclasses.asdict(self)
         d["per_step"] = self.per_step.to_dicts()
         return d
+
+    @property
+    def table(self) -> pl.DataFrame:
+        return self.per_step
+
+    def summary_lines(self) -> list[str]:
+        return summaries.inspect_lines(self)
 
 
 def inspect_log(

@@ -57,10 +57,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
+import logging
 import os
 import queue
+import re
+import socket
+import sys
 import threading
+import time
+import uuid
+import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -72,6 +81,13 @@ from .. import __version__
 from ..ingest import COMMIT_MARKER
 from . import inputs
 from .inputs import SAMPLE_ID_STRIDE, Prepared
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: the pid check alone
+    fcntl = None
+
+log = logging.getLogger(__name__)
 
 META_KEY = "mismatch_replay.capture"
 STEP_META_KEY = "mismatch_replay.capture.step"

@@ -277,6 +277,7 @@ class Sequences:
         n = len(self.keys)
         k = len(other.keys)
         for name, grow in other.sums.items():
+            grow.ensure(k)  # a sum its batches never reached holds its fill up to k
             acc, src = self.sums[name], grow.a[:k].copy()
             acc.ensure(n)
             if name == "group":

@@ -61,6 +61,7 @@ from .. import fast, pmath
 from ..errors import UsageError
 from ..ingest import ReadReport
 from ..metrics import MetricSums
+from ..present import Presentable, sweep_lines
 from ..rules import LOG_CLAMP, SeqStats, TokenBatch, seq_extras
 from .bins import (
     Q_BUCKET_EDGES,
@@ -90,7 +91,7 @@ _Q_EDGES = np.asarray(Q_BUCKET_EDGES, dtype=np.float64)
 
 
 @dataclass
-class SweepResult:
+class SweepResult(Presentable):
     """What sweep() returns: the table, the metrics, the Tally, and each job's path."""
 
     table: pl.DataFrame  # the long sweep table (one row per job x value x group)
@@ -98,13 +99,32 @@ class SweepResult:
     tally: Tally
     notes: list[str] = field(default_factory=list)  # e.g. rules skipped for lack of a column
     warnings: list[str] = field(default_factory=list)  # e.g. a preset's framework quirk
+    # where a float32 preset's count differs from its exact one (engine/precision_note.py)
+    precision_notes: list = field(default_factory=list)
     # per job, in job order: {"rule", "param", "path": "fused" | "simple", "reason"}
     # (Tally.paths)
     paths: list[dict] = field(default_factory=list)
 
+    def summary_lines(self) -> list[str]:
+        """What `print(result)` shows (present.sweep_lines)."""
+        t = self.tally
+        n = t.report.loss_rows
+        return sweep_lines("SweepResult", self.table, self.metrics, n, t.by, self.paths,
+                           self.notes, self.warnings)  # fmt: skip
+
+    def to_dict(self) -> dict:
+        """The table's rows, the metrics, each job's path, the notes (plain Python)."""
+        return {
+            "rows": self.table.to_dicts(),
+            "metrics": self.metrics.to_dicts(),
+            "paths": [dict(p) for p in self.paths],
+            "notes": list(self.notes),
+            "warnings": list(self.warnings),
+        }
+
 
 @dataclass
-class Tally(Leading):
+class Tally(Leading, Presentable):
     """Additive summary of one pass over a log: enough to answer every sweep question."""
 
     jobs: list[Job]

@@ -521,11 +521,20 @@ CLAMP = Domain(0.0, 0.5, lo_open=True, hi_open=True)  # clamp c: [c, 1 - c] must
 
 @dataclass(frozen=True)
 class Param:
+    """One parameter of a rule, as `Rule.params` declares it.
+
+    name: the parameter's name in a SPEC (`eps` in `ipo:eps=0.3`).
+    doc: what it bounds, in a few words (`mismatch-replay rules` shows it).
+    grid: its default sweep grid, in GRID syntax (`0.01:0.5:50`, `a,b,c`).
+    threshold: sweeping it is a one-pass threshold sweep (keyword-only).
+    domain: the values it may take (`Domain`; keyword-only).
+    """
+
     name: str
     doc: str
     grid: str  # default sweep grid (GRID syntax)
-    threshold: bool = True  # sweeping it is a one-pass threshold sweep
-    domain: Domain = NONNEG
+    threshold: bool = field(default=True, kw_only=True)  # a one-pass threshold sweep
+    domain: Domain = field(default=NONNEG, kw_only=True)
 
     def check(self, rule: str, value: float, where: str) -> None:
         """A usage error naming the parameter and its domain when `value` lies outside."""

@@ -47,7 +47,12 @@ def get_rule_class(name: str) -> type[Rule]:
 
 
 def parse_rule(spec: str) -> Rule:
-    """`name`, `name:k=v,...`, `name@preset` or `name@preset:k=v` -> a Rule instance."""
+    """A rule SPEC -> a Rule instance (a frozen dataclass whose fields are its parameters,
+    plus `preset` and `precision`).
+
+    spec: `name`, `name:k=v,...`, `name@preset` or `name@preset:k=v` (`ipo:eps=0.3`,
+      `icepop@verl`); a usage error names what is wrong and how to write it.
+    """
     m = _SPEC.match(spec.strip())
     if not m:
         raise UsageError(
