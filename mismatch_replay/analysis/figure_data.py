@@ -67,7 +67,6 @@ class FigureData(Presentable):
     notes: list[str] = field(default_factory=list)
     # LENGTH_SETTINGS' sweep table by length bucket (None: the log has no sample_id)
     by_length: pl.DataFrame | None = None
-    given: bool = False  # `settings` are the rules the user gave (else DEFAULT_SETTINGS)
 
     @property
     def table(self) -> pl.DataFrame:

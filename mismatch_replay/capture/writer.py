@@ -57,19 +57,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import json
-import logging
 import os
 import queue
-import re
-import socket
-import sys
 import threading
-import time
-import uuid
-import warnings
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -81,13 +72,6 @@ from .. import __version__
 from ..ingest import COMMIT_MARKER
 from . import inputs
 from .inputs import SAMPLE_ID_STRIDE, Prepared
-
-try:
-    import fcntl
-except ImportError:  # not on POSIX: the pid check alone
-    fcntl = None
-
-log = logging.getLogger(__name__)
 
 META_KEY = "mismatch_replay.capture"
 STEP_META_KEY = "mismatch_replay.capture.step"
@@ -200,10 +184,10 @@ class TokenWriter:
     def __init__(
         self,
         root: str | Path,
+        *,
         rank: int = 0,
         world_size: int = 1,
         meta: Mapping | None = None,
-        *,
         every: int = 1,
         max_tokens_per_step: int | None = None,
         seed: int = 0,

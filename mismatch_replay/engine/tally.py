@@ -99,8 +99,6 @@ class SweepResult(Presentable):
     tally: Tally
     notes: list[str] = field(default_factory=list)  # e.g. rules skipped for lack of a column
     warnings: list[str] = field(default_factory=list)  # e.g. a preset's framework quirk
-    # where a float32 preset's count differs from its exact one (engine/precision_note.py)
-    precision_notes: list = field(default_factory=list)
     # per job, in job order: {"rule", "param", "path": "fused" | "simple", "reason"}
     # (Tally.paths)
     paths: list[dict] = field(default_factory=list)
@@ -806,6 +804,21 @@ class Tally(Leading, Presentable):
                 out = (order, starts, lo)
         self._prompt_cache = (self.version, out)
         return out
+
+    @property
+    def table(self) -> pl.DataFrame:
+        """The sweep table (`result().table`)."""
+        return self.result().table
+
+    def summary_lines(self) -> list[str]:
+        """What `print(tally)` shows: its sweep table's summary (present.sweep_lines)."""
+        r = self.result()
+        return sweep_lines("Tally", r.table, r.metrics, self.report.loss_rows, self.by,
+                           r.paths, self.notes, self.rule_warnings)  # fmt: skip
+
+    def to_dict(self) -> dict:
+        """`result().to_dict()`: the sweep table's rows, the metrics, the paths."""
+        return {**self.result().to_dict(), "notes": list(self.notes)}
 
     def result(self) -> SweepResult:
         """The sweep table, the metrics per group and each job's path."""
