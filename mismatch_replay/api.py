@@ -100,6 +100,7 @@ def sweep(
         notes: what was skipped and why (a rule whose column the log lacks).
         warnings: the framework quirks a preset reproduces.
         paths: per job, {"rule", "param", "path": "fused" | "simple", "reason"}.
+        precision_notes: where a float32 preset's count differs from its exact one.
     """
     return _engine.sweep(
         _paths(sources),
@@ -550,6 +551,7 @@ def figure_data(
         sources: the files read.
         notes: what was not drawn and why.
         by_length: the sequence rules' table by sequence length (None without sample_id).
+        given: whether `settings` are the ones given (else the defaults).
     """
     return analysis.figure_data(
         _paths(sources),
