@@ -1,4 +1,5 @@
-"""The catalogue as users see it: README agreement, presets, quirk warnings, prime-rl matching."""
+"""The catalogue as users see it: docs/rules.md agreement, presets, quirk warnings, prime-rl
+matching."""
 
 from __future__ import annotations
 
@@ -50,15 +51,15 @@ def test_catalogue_has_every_rule_of_rules_md():
     assert sorted(REGISTRY) == sorted(RULES_MD_NAMES)
 
 
-def test_readme_catalogue_table_matches_the_code():
-    text = (ROOT / "README.md").read_text()
+def test_docs_catalogue_table_matches_the_code():
+    text = (ROOT / "docs" / "rules.md").read_text()
     start = text.index("<!-- catalogue:start -->") + len("<!-- catalogue:start -->")
     end = text.index("<!-- catalogue:end -->")
     assert text[start:end].strip() == catalogue_markdown().strip()
 
 
-def test_readme_preset_table_matches_the_code():
-    text = (ROOT / "README.md").read_text()
+def test_docs_preset_table_matches_the_code():
+    text = (ROOT / "docs" / "rules.md").read_text()
     start = text.index("<!-- presets:start -->") + len("<!-- presets:start -->")
     end = text.index("<!-- presets:end -->")
     assert text[start:end].strip() == presets_markdown().strip()

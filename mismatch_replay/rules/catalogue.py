@@ -1,6 +1,7 @@
 """The catalogue as users read it: plain records (`mismatch-replay rules`) and the two
-Markdown tables README.md carries (the rules, and every preset with its arithmetic and
-where it was read; tests keep README equal to them). Rules appear in REGISTRY's order.
+Markdown tables docs/rules.md carries (the rules, and every preset with its arithmetic and
+where it was read; docs/gen_reference.py writes them from `rules --json`, and tests keep the
+page equal to them). Rules appear in REGISTRY's order.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ def catalogue_records() -> list[dict]:
                 "preset_quirks": dict(cls.preset_quirks),
                 "preset_arith": {k: v for k, v in cls.preset_arith.items() if v},
                 "preset_sources": dict(cls.preset_sources),
+                # the precision each preset replays in by default, and where it was read
+                "preset_precision": {k: cls.native_precision(k) for k in cls.presets},
+                "preset_precision_sources": {k: cls.precision_source(k) for k in cls.presets},
             }
         )
     return recs
 
 
-def catalogue_markdown() -> str:
-    """The catalogue as the Markdown table README.md carries (a test keeps them equal)."""
+def catalogue_markdown(records: list[dict] | None = None) -> str:
+    """The catalogue as the Markdown table docs/rules.md carries (a test keeps them equal);
+    `records` (default: `catalogue_records()`) may be what `rules --json` printed."""
 
     def num(v) -> str:
         return "—" if v is None else f"{v:g}"
@@ -57,7 +62,7 @@ def catalogue_markdown() -> str:
         "| rule | level | masked (or truncated) when | parameters (default) | presets | source |",
         "|---|---|---|---|---|---|",
     ]
-    for r in catalogue_records():
+    for r in catalogue_records() if records is None else records:
         params = ", ".join(f"`{p['name']}`={num(p['default'])}" for p in r["params"])
         presets = "; ".join(
             (f"`@{k}` " + ",".join(f"{a}={num(b)}" for a, b in v.items())).rstrip()
@@ -74,14 +79,14 @@ def catalogue_markdown() -> str:
     return "\n".join(lines)
 
 
-def presets_markdown() -> str:
-    """Every preset with its arithmetic and where it was read (README "Matching your
-    dashboard"; a test keeps them equal)."""
+def presets_markdown(records: list[dict] | None = None) -> str:
+    """Every preset with its arithmetic and where it was read (docs/rules.md; a test keeps
+    them equal); `records` as for `catalogue_markdown`."""
     lines = [
         "| preset | values | arithmetic | read from |",
         "|---|---|---|---|",
     ]
-    for r in catalogue_records():
+    for r in catalogue_records() if records is None else records:
         for k, v in r["presets"].items():
             vals = ",".join(f"{a}={'—' if b is None else f'{b:g}'}" for a, b in v.items())
             arith = r["preset_arith"].get(k, "")
