@@ -552,6 +552,7 @@ def figure_data(
         notes: what was not drawn and why.
         by_length: the sequence rules' table by sequence length (None without sample_id).
         given: whether `settings` are the ones given (else the defaults).
+        presets: SPEC -> exact masked fraction at each catalogue preset (the report's).
     """
     return analysis.figure_data(
         _paths(sources),

@@ -11,6 +11,7 @@ numbers). This mixin turns the last two into the two ways a result is looked at:
 * `__str__`: the summary lines, so that `print(result)` reads like the command line's answer
   and not like a dataclass repr of numpy arrays (the repr stays the dataclass's, for
   debugging);
+* `_repr_pretty_`: the same text where IPython echoes a result (its text/plain);
 * `_repr_html_`: the summary lines as a heading and a list, then the head of `.table` as
   polars renders it (`HTML_ROWS` rows: a notebook cell stays short; the whole table is
   `result.table`).
@@ -29,11 +30,21 @@ HTML_ROWS = 10  # table rows a notebook cell shows
 class Presentable:
     """Mixin: `__str__` and `_repr_html_` from `summary_lines()` and `.table`."""
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        # IPython takes the first class of the MRO that defines `_repr_pretty_` or
+        # `__repr__`, and @dataclass writes a `__repr__` into each result class itself
+        cls._repr_pretty_ = Presentable._repr_pretty_
+
     def summary_lines(self) -> list[str]:  # pragma: no cover - every result defines it
         raise NotImplementedError
 
     def __str__(self) -> str:
         return "\n".join(self.summary_lines())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        """IPython's text form (a notebook's text/plain, the shell's echo): the summary."""
+        p.text(str(self))
 
     def _repr_html_(self) -> str:
         lines = self.summary_lines()
