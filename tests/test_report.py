@@ -116,9 +116,11 @@ def test_report_tables(written, data):
 def test_report_extra_sections(written):
     _, page = written
     assert '<section class="extra"><h2>Decision</h2><p><b>eps = 0.3</b>' in page
-    # placed right after the summary, before the settings
+    # answers first: after the seed's pair of figures, before the settings; the summary is a
+    # reference table, collapsed at the end
+    assert page.index("<h2>Masked fraction vs threshold</h2>") < page.index("<h2>Decision</h2>")
     assert page.index("<h2>Decision</h2>") < page.index("<h2>Chosen settings</h2>")
-    assert page.index("<h2>Summary</h2>") < page.index("<h2>Decision</h2>")
+    assert page.index("<h2>Decision</h2>") < page.index("<details><summary>Summary</summary>")
 
 
 def test_settings_table_is_exact(data):

@@ -17,6 +17,8 @@ the command line prints with `--json`.
                  rule followed (`DriftResult`);
 * `check`        a CI gate: a `Verdict` per limit (`CheckResult`);
 * `figure_data`  the three views the figures draw (`FigureData`);
+* `findings`     "What this log says": the sentences, with numbers, that open the report
+                 and end `demo` / `report` on the terminal (`Findings`);
 * `decisions`    the report's Decision section (`Decisions`), and `report_data`, which builds
                  it and the figure data sharing passes (5 in all);
 * `precision`    float32 against float64 decisions per rule (`PrecisionResult`).
@@ -33,6 +35,7 @@ from .compare import CELLS, BucketRow, BudgetSetting, Cell, CompareResult, compa
 from .decisions import DECISION_RULES, Decisions, decisions, report_data
 from .drift import Baseline, DriftResult, RuleVerdict, Spike, StepRow, drift
 from .figure_data import DEFAULT_SETTINGS, FigureData, default_settings, figure_data
+from .findings import Finding, Findings, findings
 from .precision import (
     PRECISION_SETTINGS,
     PRECISION_THRESHOLD,
@@ -59,6 +62,8 @@ __all__ = [
     "Decisions",
     "DriftResult",
     "FigureData",
+    "Finding",
+    "Findings",
     "PrecisionResult",
     "PrecisionRow",
     "RuleVerdict",
@@ -71,6 +76,7 @@ __all__ = [
     "default_settings",
     "drift",
     "figure_data",
+    "findings",
     "precision_check",
     "report_data",
 ]

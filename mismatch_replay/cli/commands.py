@@ -676,7 +676,7 @@ def report(
             from ..integrations.tensorboard_log import check as check_tb
 
             check_tb()
-        _, settings = _config_rules(from_config, framework, rule)
+        cfg, settings = _config_rules(from_config, framework, rule)
         opts = read.options()
         command = command_line(ctx)
         keep: dict = {}
@@ -694,8 +694,10 @@ def report(
                 precision=precision,
                 precision_threshold=precision_threshold,
                 keep=keep,
+                config=(cfg.framework, cfg.specs()) if cfg is not None else None,
             )
         render.say(f"report: {path}")
+        render.print_findings(keep.get("findings", ()))
         if not (wandb or tensorboard is not None):
             return
         from ..integrations.outputs import collect
@@ -813,9 +815,11 @@ def demo(
     def body():
         from ..viz.jobs import demo as run_demo
 
+        keep: dict = {}
         with render.progress("demo") as cb:
-            paths = run_demo(output, force, cb)
+            paths = run_demo(output, force, cb, keep=keep)
         render.print_demo(output, paths)
+        render.print_findings(keep.get("findings", ()))
 
     run(body)
 

@@ -643,6 +643,31 @@ def print_demo(output, paths: dict) -> None:
     say(f"Open {paths['report']} in a browser.")
 
 
+def print_findings(findings) -> None:
+    """demo / report: "What this log says" on stderr (after the list of files on stdout),
+    one sentence a paragraph, on a terminal wrapped between words with a hanging indent
+    (never inside a number), elsewhere one line each; nothing when there is none.
+    `findings`: an `analysis.Findings`."""
+    if not len(findings):
+        return
+    import textwrap
+
+    console = err
+    console.print()
+    console.print("[bold]What this log says[/]", highlight=False)
+    for f in findings:
+        text = f"- {f.sentence}"
+        if console.is_terminal:  # logs, pipes: a sentence a line
+            text = textwrap.fill(
+                text,
+                width=max(console.width - 1, 20),
+                subsequent_indent="  ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
 def print_convert(s: dict, json_: bool) -> None:
     """convert: the dropped rows (stderr), then the JSON summary, or one line on stderr."""
     if s["dropped_rows"] or s["dropped_records"]:

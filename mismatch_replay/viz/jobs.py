@@ -107,8 +107,9 @@ def report(
     progress: Callable[[int, int], None] | None = None,
     precision: str | None = None,
     precision_threshold: float = analysis.PRECISION_THRESHOLD,
-    keep: dict | None = None,  # receives data, decisions, summary (W&B / TensorBoard)
+    keep: dict | None = None,  # receives data, decisions, summary, findings (W&B, CLI)
     figure_process: bool | None = None,  # as plot's
+    config: tuple[str, Sequence[str]] | None = None,  # --from-config: (framework, its SPECs)
 ) -> Path:
     """index.html with the figures, the tables, the Decision section and the command.
 
@@ -137,6 +138,13 @@ def report(
             on_sweep=None if helper is None else lambda t: _early(helper, t, target_fraction),
         )
         summary = got["summary"]
+        found = analysis.findings(
+            data,
+            dec,
+            log_format=summary.format,
+            config_framework=config[0] if config else None,
+            own_specs=config[1] if config else (),
+        )
         sections = [("Decision", page.decision_html(dec))]
         if precision == "float32":
             check = analysis.precision_check(
@@ -144,7 +152,7 @@ def report(
             )
             sections.append(page.precision_section(check))
         if keep is not None:
-            keep.update(data=data, decisions=dec, summary=summary)
+            keep.update(data=data, decisions=dec, summary=summary, findings=found)
         ensure_dir(outdir)
         write_table(data.sweep, outdir / SWEEP_CSV, force=force)
         return page.write_report(
@@ -158,6 +166,7 @@ def report(
             choices=dec.choose,
             progress=bar.last_stage,
             pool=helper,
+            findings=found.sentences,
         )
 
 
@@ -214,6 +223,7 @@ def demo(
     outdir: str | Path = "mismatch-replay-demo",
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    keep: dict | None = None,  # receives what report's keeps (findings: the CLI prints them)
 ) -> dict[str, Path]:
     """inspect + sweep + figures + report on the bundled sample, into outdir."""
     outdir = Path(outdir)
@@ -222,7 +232,7 @@ def demo(
         outdir, ["inspect.json", "sweep.csv", "index.html", *[f"{n}.png" for n in FIGURES]], force
     )
     ensure_dir(outdir)
-    keep: dict = {}
+    keep = {} if keep is None else keep
     index = report(
         src,
         outdir,

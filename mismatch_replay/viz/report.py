@@ -20,8 +20,14 @@ The tables:
 * the inspect-style summary and the mismatch metrics with the names frameworks log them under;
 * the rule catalogue's defaults and presets.
 
-Extra sections are passed as `sections=[(title, html)]` and placed right after the summary,
-where a reader looks first: the "Decision" (`decision_html`, from `analysis.decisions()`:
+The page gives answers first: "What this log says" (`findings=`, the sentences of
+`analysis.findings`, built from the result objects), the seed's pair of figures (scatter with
+the IPO band and the IcePop cone, masked fraction against threshold), then the decisions, the
+other figures, and last the reference tables (the summary and metrics, every rule at its
+presets, the catalogue), each collapsed in a <details>. At 1280x800 the findings are above
+the fold (tests/test_browser.py checks it in headless Chromium).
+Extra sections are passed as `sections=[(title, html)]` and placed right after the two
+figures: the "Decision" (`decision_html`, from `analysis.decisions()`:
 which threshold, which rule, did the run drift, each a small table and one sentence) and
 the float32 check (`precision_section`). The Decision rounds its numbers for reading
 (4 significant digits); the JSON of `--json` keeps the full precision.
@@ -79,6 +85,12 @@ figcaption { color: #444; font-size: 0.9em; max-width: 60em; }
 pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; font-size: 0.9em; }
 .note { color: #555; font-size: 0.88em; }
 section.extra { border-left: 4px solid #0072B2; padding-left: 1em; }
+section.findings { background: #f3f8fc; border-left: 4px solid #0072B2; padding: 0.3em 1em; }
+section.findings h2 { margin-top: 0.4em; border-bottom: none; }
+section.findings ul { margin: 0.3em 0 0.6em; padding-left: 1.2em; }
+section.findings li { margin: 0.25em 0; }
+details { margin: 0.8em 0; }
+details > summary { cursor: pointer; font-weight: 600; font-size: 1.05em; }
 """
 
 _CAPTIONS = {
@@ -426,6 +438,31 @@ def precision_section(check: PrecisionResult) -> tuple[str, str]:
     return "float32 vs float64", body + _table(headers, rows, numeric=(1, 2, 3, 4, 5))
 
 
+FIRST_FIGURES = ("scatter", "masked_fraction")  # the seed's pair, right after the findings
+
+
+def _figure_html(data: FigureData, images: dict[str, bytes], names: Sequence[str]) -> list[str]:
+    """The named figures as <figure>s with their titles and captions (data URIs); a line in
+    masked_by_length's place where the log has no sequence ids."""
+    parts = []
+    for name in names:
+        if name not in images:
+            if name == "masked_by_length" and getattr(data, "by_length", 0) is None:
+                parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
+                parts.append(
+                    '<p class="note">Not drawn: the log has no sequence ids (sample_id) to '
+                    "bucket sequences by length; map one with --map sample_id=COLUMN.</p>"
+                )
+            continue
+        uri = base64.b64encode(images[name]).decode("ascii")
+        parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
+        parts.append(
+            f'<figure><img alt="{_e(_TITLES[name])}" src="data:image/png;base64,{uri}">'
+            f"<figcaption>{_e(_CAPTIONS[name])}</figcaption></figure>"
+        )
+    return parts
+
+
 def render_html(
     data: FigureData,
     images: dict[str, bytes],
@@ -436,11 +473,16 @@ def render_html(
     sections: Sequence[tuple[str, str]] = (),
     date: str | None = None,
     choices: Sequence[Choice] | None = None,
+    findings: Sequence[str] = (),
 ) -> str:
-    """The page as a string. `images`: figure name -> PNG bytes (embedded as data URIs);
-    `sections`: extra (title, trusted HTML) sections placed after the summary; `choices`:
-    `analysis.choose` rows (with `curve=True`), listed under "Chosen settings" (the plotted
-    settings then follow under their own title)."""
+    """The page as a string, answers first: `findings` (the sentences of
+    `analysis.findings`) under "What this log says", the scatter and masked-fraction
+    figures, the `sections` (extra (title, trusted HTML) sections: the Decision), the chosen
+    settings, the other figures, then the reference tables (log summary and metrics, every
+    rule at its presets, the catalogue) collapsed in <details>. `images`: figure name -> PNG
+    bytes (embedded as data URIs); `choices`: `analysis.choose` rows (with `curve=True`),
+    listed under "Chosen settings" (the plotted settings then follow under their own
+    title)."""
     date = date or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         "<!DOCTYPE html>",
@@ -452,10 +494,16 @@ def render_html(
         f'<p class="meta">{_e(_num(data.tokens))} loss tokens from '
         f"{_e(', '.join(data.sources) or 'the log')} · mismatch-replay {_e(__version__)} · "
         f"{_e(date)}</p>",
-        "<h2>Summary</h2>",
-        _summary_html(data, summary),
-        "<!-- extra sections (e.g. Decision): write_report(..., sections=[(title, html)]) -->",
     ]
+    if findings:
+        items = "".join(f"<li>{_e(x)}</li>" for x in findings)
+        parts.append(
+            f'<section class="findings"><h2>What this log says</h2><ul>{items}</ul></section>'
+        )
+    parts.extend(_figure_html(data, images, FIRST_FIGURES))
+    parts.append(
+        "<!-- extra sections (e.g. Decision): write_report(..., sections=[(title, html)]) -->"
+    )
     for title, body in sections:
         parts.append(f'<section class="extra"><h2>{_e(title)}</h2>{body}</section>')
     parts.append("<h2>Chosen settings</h2>")
@@ -471,25 +519,15 @@ def render_html(
             '<p class="note">The settings the figures draw (presets), over the whole log.</p>'
         )
     parts.append(_settings_html(data))
-    for name in render.FIGURES:
-        if name not in images:
-            if name == "masked_by_length" and getattr(data, "by_length", 0) is None:
-                parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
-                parts.append(
-                    '<p class="note">Not drawn: the log has no sequence ids (sample_id) to '
-                    "bucket sequences by length; map one with --map sample_id=COLUMN.</p>"
-                )
-            continue
-        uri = base64.b64encode(images[name]).decode("ascii")
-        parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
-        parts.append(
-            f'<figure><img alt="{_e(_TITLES[name])}" src="data:image/png;base64,{uri}">'
-            f"<figcaption>{_e(_CAPTIONS[name])}</figcaption></figure>"
-        )
-    parts.append("<h2>Every rule at its presets</h2>")
-    parts.append(_presets_html(data))
-    parts.append("<h2>Rule catalogue: defaults and presets</h2>")
-    parts.append(_catalogue_html())
+    rest = [n for n in render.FIGURES if n not in FIRST_FIGURES]
+    parts.extend(_figure_html(data, images, rest))
+    parts.append("<h2>Reference tables</h2>")
+    for title, body in (
+        ("Summary", _summary_html(data, summary)),
+        ("Every rule at its presets", _presets_html(data)),
+        ("Rule catalogue: defaults and presets", _catalogue_html()),
+    ):
+        parts.append(f"<details><summary>{_e(title)}</summary>{body}</details>")
     if data.notes:
         parts.append("<h2>Notes</h2><ul>")
         parts.extend(f"<li>{_e(n)}</li>" for n in data.notes)
@@ -516,6 +554,7 @@ def write_report(
     choices: Sequence[Choice] | None = None,
     progress=None,
     pool=None,
+    findings: Sequence[str] = (),
 ) -> Path:
     """Write outdir/index.html and the figure PNGs next to it; return the page's path.
 
@@ -523,7 +562,8 @@ def write_report(
     `summary`: an inspect summary (`Summary.to_dict()`), optional. `sections`: extra
     (title, HTML) sections, e.g. a "Decision"; their HTML is trusted, their titles escaped.
     `dpi`: of the PNGs (150: ~1 MB for the page). Refuses to overwrite index.html or a figure
-    unless `force`. `choices`: see `render_html`; `progress(done, total)`: per figure drawn;
+    unless `force`. `choices`, `findings`: see `render_html`; `progress(done, total)`: per
+    figure drawn;
     `pool`: a `pool.FigurePool` that draws some of the figures meanwhile (`render_all`).
     """
     outdir = Path(outdir)
@@ -553,6 +593,7 @@ def write_report(
         target_fraction=target_fraction,
         sections=sections,
         choices=choices,
+        findings=findings,
     )
     _atomic_text(index, page, force)
     return index
