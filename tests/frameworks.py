@@ -10,7 +10,7 @@ A == 0 takes, NaN in comparisons, and float32 when dtype=torch.float32 (the log-
 to float32 first, as the frameworks hold them; Python floats compared with a float32 tensor
 are rounded to float32 by torch, as on the GPU).
 
-Two deliberate departures, both documented in the README:
+Two deliberate departures, both documented in docs/presets.md:
 - dtype float64 replaces every dtype a framework sets explicitly (SkyRL's safe_exp_delta
   casts to float32, AReaL upcasts with .float()): "float64" replays the framework's formula
   in float64; `dtype=torch.float32` replays it as the GPU runs it.

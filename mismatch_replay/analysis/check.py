@@ -34,8 +34,8 @@ from ..present import Presentable
 from ..rules import parse_rule
 from . import summaries
 
-# dashboard names -> the tool's metric (each equal to it as the README's "Matching your
-# dashboard" states; names for statistics the tool does not compute are refused with a hint)
+# dashboard names -> the tool's metric (each equal to it as docs/metrics.md ("Metrics and
+# dashboards") states; names for statistics the tool does not compute are refused with a hint)
 ALIASES: dict[str, str] = {
     "mismatch_kl": "kl_k3",
     "mismatch_kl/all/mean": "kl_k3",

@@ -108,7 +108,7 @@ def check(
             metavar="METRIC=V",
             help="A metric limit (repeatable): the metric must be at most V, e.g. "
             "--max kl_k3=0.01; the tool's names (inspect lists them) or a dashboard's, e.g. "
-            "mismatch_kl/all/mean or rollout_corr/k3_kl (README: A CI gate on mismatch).",
+            "mismatch_kl/all/mean or rollout_corr/k3_kl (docs/commands/check.md).",
         ),
     ] = None,
     rule: Annotated[

@@ -3,7 +3,7 @@
 `base` holds what rules are built from (Rule, Param, Domain, TokenBatch, SeqStats and the
 SEQ_STATS table, the float64/float32 arithmetic, REGISTRY); `token` the 13 token rules,
 `m2po` the per-step m2po rule, `sequence` the 9 sequence rules; `spec` parses rule SPECs
-and GRIDs; `catalogue` renders the registry as records and README's tables. Importing the
+and GRIDs; `catalogue` renders the registry as records and docs/rules.md's tables. Importing the
 package registers the 23 rules in catalogue order; the names below are its public API.
 """
 

@@ -773,7 +773,7 @@ REGISTRY: dict[str, type[Rule]] = {}
 def register(cls=None, *, after: str | None = None):
     """Make `cls` a frozen dataclass and add it to REGISTRY under `cls.name`.
 
-    The catalogue (`mismatch-replay rules`, README's table) and a sweep's default jobs list
+    The catalogue (`mismatch-replay rules`, docs/rules.md) and a sweep's default jobs list
     the rules in REGISTRY's order: registration order, or right after the rule named
     `after` (m2po, in its own module, is listed with the token rules). A class registered
     again under a known name replaces it in place.
