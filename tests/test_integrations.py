@@ -466,6 +466,73 @@ def test_wandb_targets():
     from mismatch_replay.integrations.wandb_log import parse_target
 
     assert parse_target("team/proj") == ("team", "proj", None)
+def test_wandb_init_kwargs_leave_the_users_settings_alone(tmp_path):
+    from mismatch_replay.integrations.wandb_log import init_kwargs
+
+    rep, mine, given = tmp_path / "rep", tmp_path / "mine", tmp_path / "given"
+
+    def kw(run_id=None, env=None, **opts):
+        return init_kwargs("team", "proj", run_id, name="ours", environ=env or {}, **opts)
+
+    # nothing set: the report folder, our name and job type; no mode, no tags
+    assert kw(default_dir=rep) == {
+        "entity": "team",
+        "project": "proj",
+        "job_type": "mismatch-replay",
+        "name": "ours",
+        "dir": str(rep),
+    }
+    assert rep.is_dir()
+    # WANDB_DIR set: it, not the report folder (passed on: wandb reads its environment once)
+    assert kw(env={"WANDB_DIR": str(mine)}, default_dir=rep)["dir"] == str(mine)
+    assert mine.is_dir()
+    # an empty WANDB_DIR is unset
+    assert kw(env={"WANDB_DIR": ""}, default_dir=rep)["dir"] == str(rep)
+    # the caller's dir= wins over both
+    assert kw(env={"WANDB_DIR": str(mine)}, dir=given, default_dir=rep)["dir"] == str(given)
+    # WANDB_NAME / WANDB_JOB_TYPE win over ours; WANDB_MODE is left to wandb
+    env = {"WANDB_NAME": "theirs", "WANDB_JOB_TYPE": "eval", "WANDB_MODE": "offline"}
+    got = kw(env=env, default_dir=rep)
+    assert (got["name"], got["job_type"]) == ("theirs", "eval") and "mode" not in got
+    # a run id resumes; mode and tags only when the caller gives them
+    got = kw("abc", mode="offline", tags=["x"])
+    assert got == {
+        "entity": "team",
+        "project": "proj",
+        "id": "abc",
+        "resume": "allow",
+        "mode": "offline",
+        "tags": ["x"],
+    }
+
+
+@pytest.mark.slow  # a wandb offline run: its core process, ~3-6 s
+def test_wandb_offline_run_goes_to_wandb_dir(report, tmp_path, monkeypatch):
+    """The defect of issue 29: WANDB_DIR set, the run went into the report folder anyway."""
+    pytest.importorskip("wandb")
+    from mismatch_replay.integrations import wandb_log
+
+    mine, rep = tmp_path / "mine", tmp_path / "rep"
+    for k, v in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(mine),
+        "WANDB_NAME": "users-name",
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
+    }.items():
+        monkeypatch.setenv(k, v)
+    _, _, out = report
+    info = wandb_log.log_to_wandb("my-team/grpo-math", out, default_dir=rep)
+    run_dir = Path(info["dir"])
+    assert run_dir.parent == mine / "wandb" and run_dir.name.startswith("offline-run-")
+    assert not (rep / "wandb").exists()
+    back = wandb_log.read_offline_run(run_dir)
+    assert back["complete"] and back["run"]["display_name"] == "users-name"
+    assert not back["run"]["resumed"] and back["run"]["id"] == info["id"]
+
+
     assert parse_target("team/proj/abc123") == ("team", "proj", "abc123")
     assert parse_target("https://wandb.ai/team/proj/runs/abc123?x=1") == ("team", "proj", "abc123")
     with pytest.raises(UsageError, match=r"ENTITY/PROJECT"):

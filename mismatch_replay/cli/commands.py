@@ -622,8 +622,9 @@ def report(
             help="Also log the report to Weights & Biases: into the training run RUN_ID "
             "(resumed) or a new run; the figures, the sweep and choose tables, the page, and "
             "the per-step series under mismatch_replay/* against their own step. "
-            "WANDB_MODE=offline writes a local run (DIR/wandb/) for `wandb sync`. Needs the "
-            "[wandb] extra.",
+            "W&B's own settings apply (WANDB_MODE, WANDB_DIR, WANDB_NAME, ...): "
+            "WANDB_MODE=offline writes a local run for `wandb sync` into $WANDB_DIR/wandb/, or "
+            "DIR/wandb/ when WANDB_DIR is unset. Needs the \\[wandb] extra.",
         ),
     ] = None,
     wandb_artifact: Annotated[
@@ -713,7 +714,7 @@ def report(
                 parquet = Path(output) / "tokens.parquet"
                 with render.progress("convert") as cb:
                     run_convert(sources, parquet, opts, force=force, progress=cb)
-            info = log_to_wandb(wandb, logged, artifact=parquet, dir=output)
+            info = log_to_wandb(wandb, logged, artifact=parquet, default_dir=output)
             render.say(
                 f"wandb: {info['entity']}/{info['project']}/{info['id']} ({info['mode']}; "
                 f"{len(info['keys'])} keys; {info['dir']})"

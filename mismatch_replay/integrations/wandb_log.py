@@ -25,6 +25,15 @@ run with that id otherwise); without one a new run (job type `mismatch-replay`).
 object the caller already holds (`run=`) is logged into and left open. The mode is W&B's:
 `WANDB_MODE=offline` writes `wandb/offline-run-*/run-<id>.wandb` locally for `wandb sync`.
 
+W&B's own settings win over this module's defaults, as they would for the training run
+(`wandb.init` takes an argument over its environment variable, so ours must not shadow the
+user's). The run's directory: `dir=` when the caller gives one, else `WANDB_DIR` when set,
+else `default_dir=` (`report --wandb` passes its report folder); the name and job type:
+`WANDB_NAME` / `WANDB_JOB_TYPE` when set, else ours; the mode, tags and the rest of W&B's
+variables (`WANDB_MODE`, `WANDB_TAGS`, `WANDB_RESUME`, ...) are never overridden unless the
+caller passes them. The target's ENTITY/PROJECT[/RUN_ID] is the user's explicit choice on
+the command line and goes to `wandb.init` as given.
+
 `read_offline_run(path)` reads such a directory back without a server: the `.wandb` file is
 W&B's transaction log (a LevelDB-style log of 32 KiB blocks whose records are W&B's own
 `wandb_internal_pb2.Record` protobufs, each chunk CRC-32 checked); it returns the run, its
@@ -34,6 +43,7 @@ history rows, summary, metric definitions, files and artifacts as plain dicts.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import time
@@ -98,26 +108,31 @@ def log_to_wandb(
     run=None,
     name: str | None = None,
     dir: str | Path | None = None,
+    default_dir: str | Path | None = None,
     mode: str | None = None,
     tags: list[str] | None = None,
 ) -> dict:
     """Log a report's outputs to W&B (see the module docstring); returns where it went:
-    entity, project, id, the local run directory, the mode, and the keys logged."""
+    entity, project, id, the local run directory, the mode, and the keys logged.
+
+    `dir` is the run's directory, overriding `WANDB_DIR`; `default_dir` is used only when
+    neither `dir` nor `WANDB_DIR` is set."""
     wandb = _wandb()
     entity, project, run_id = parse_target(target)
     own = run is None
     if own:
-        kw: dict[str, Any] = {"entity": entity, "project": project, "tags": tags}
-        if run_id:
-            kw |= {"id": run_id, "resume": "allow"}
-        else:
-            kw |= {"job_type": "mismatch-replay", "name": name or _name(outputs)}
-        if dir is not None:
-            Path(dir).mkdir(parents=True, exist_ok=True)
-            kw["dir"] = str(dir)
-        if mode is not None:
-            kw["mode"] = mode
-        run = wandb.init(**kw)
+        run = wandb.init(
+            **init_kwargs(
+                entity,
+                project,
+                run_id,
+                name=name or _name(outputs),
+                dir=dir,
+                default_dir=default_dir,
+                mode=mode,
+                tags=tags,
+            )
+        )
     keys: list[str] = []
     try:
         run.config.update(
@@ -176,6 +191,42 @@ def log_to_wandb(
     if own and info["mode"] == "offline":
         info["complete"] = wait_complete(Path(info["dir"]) / f"run-{info['id']}.wandb")
     return info
+
+
+def init_kwargs(
+    entity: str | None,
+    project: str,
+    run_id: str | None,
+    *,
+    name: str,
+    dir: str | Path | None = None,
+    default_dir: str | Path | None = None,
+    mode: str | None = None,
+    tags: list[str] | None = None,
+    environ: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The `wandb.init` arguments: the target as given, and each default of ours only where
+    the user's W&B environment (`environ`, default `os.environ`) sets nothing. The user's
+    `WANDB_DIR`, `WANDB_NAME` and `WANDB_JOB_TYPE` are read here, now, and passed on: wandb
+    reads its environment once per process (at its first `wandb.setup`), so a variable set
+    later in the same process would be missed."""
+    env = os.environ if environ is None else environ
+    kw: dict[str, Any] = {"entity": entity, "project": project}
+    if run_id:
+        kw |= {"id": run_id, "resume": "allow"}
+    else:
+        kw["job_type"] = env.get("WANDB_JOB_TYPE") or "mismatch-replay"
+        kw["name"] = env.get("WANDB_NAME") or name
+    if dir is None:
+        dir = env.get("WANDB_DIR") or default_dir
+    if dir is not None:
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        kw["dir"] = str(dir)
+    if mode is not None:
+        kw["mode"] = mode
+    if tags is not None:
+        kw["tags"] = tags
+    return kw
 
 
 def wait_complete(path: Path, timeout: float = 30.0) -> bool:
@@ -367,6 +418,7 @@ __all__ = [
     "PREFIX",
     "STEP",
     "check",
+    "init_kwargs",
     "log_to_wandb",
     "parse_target",
     "read_offline_run",
