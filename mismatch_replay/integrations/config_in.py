@@ -29,6 +29,19 @@ candidates, or none, is a usage error that lists them (`--framework NAME` decide
 Values keep the type the file gave them; a framework converts (and names the key, the value
 and the file when a value is not a number where one is needed). YAML is read with PyYAML
 (the `[config]` extra; most trainers already install it), TOML with the standard library.
+
+Hostile or broken files (issue 37) are refused in one line, within a second: only a regular
+file is opened (`ingest.safe_read`: `/dev/zero`, `/dev/urandom` and a FIFO are refused from
+`os.stat`, before any read), of at most 10 MB (`CONFIG_CAP`: a trainer config is kilobytes);
+a tree is at most `MAX_DEPTH` (64) levels deep and `MAX_NODES` (100,000) nodes once YAML
+aliases are expanded (a trainer config has hundreds). YAML is first walked as libyaml's
+event stream (iterative: 100,000-deep nesting costs nothing, where composing it overflows
+the C stack), which counts the expanded nodes of every anchor as it closes, so a "billion
+laughs" (9 levels of 9 aliases: 3.9e8 nodes) is refused after its 10 lines, and an alias
+inside its own anchor (a cycle) is refused by name; only then is the text loaded, with
+`yaml.CSafeLoader` where PyYAML has libyaml (~6x the pure-Python loader). A parser that
+still recurses too deep (tomllib, json) is caught at this boundary (RecursionError). Merging
+is linear in the keys (`Settings` indexes each key under its prefixes).
 """
 
 from __future__ import annotations
@@ -43,24 +56,40 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..ingest import safe_read
 from .frameworks import FRAMEWORKS, get_framework
 from .settings import ConfigRule, Settings, TrainerConfig
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings -> dotted keys. An empty mapping or a null is kept as a leaf."""
+    """Nested mappings -> dotted keys. An empty mapping or a null is kept as a leaf.
+    Iterative (depth-first, in the mapping's order), so no depth makes it recurse; a
+    mapping inside itself is refused (one shared by two keys is read under both)."""
     out: dict[str, Any] = {}
-    if isinstance(tree, dict):
-        if not tree and prefix:
-            out[prefix] = {}
-        for k, v in tree.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
+    if not isinstance(tree, dict):
+        if prefix:
+            out[prefix] = tree
+        return out
+    if not tree and prefix:
+        out[prefix] = {}
+    stack = [(prefix, id(tree), iter(tree.items()))]
+    on_path = {id(tree)}
+    while stack:
+        base, ident, items = stack[-1]
+        for k, v in items:
+            key = f"{base}.{k}" if base else str(k)
             if isinstance(v, dict):
-                out.update(flatten(v, key))
-            else:
-                out[key] = v
-    elif prefix:
-        out[prefix] = tree
+                if id(v) in on_path:
+                    raise UsageError(f"the config refers to itself at '{key}' (a cycle).")
+                if not v:
+                    out[key] = {}
+                stack.append((key, id(v), iter(v.items())))
+                on_path.add(id(v))
+                break
+            out[key] = v
+        else:
+            stack.pop()
+            on_path.discard(ident)
     return out
 
 
@@ -102,8 +131,99 @@ def yaml_module():
     return yaml
 
 
+MAX_DEPTH = 64  # levels of nesting in a config tree (a trainer config has 3 to 6)
+MAX_NODES = 100_000  # nodes of a tree, YAML aliases expanded (a trainer config: hundreds)
+_SHAPE_FIX = "check that this is the config file."
+
+
+def _too_deep(name: str, syntax: str, parser: bool = False) -> UsageError:
+    where = "deeper than its parser can follow" if parser else f"more than {MAX_DEPTH} levels deep"
+    return UsageError(
+        f"{name}: the {syntax.upper()} nests {where} (the limit is {MAX_DEPTH}; a trainer "
+        f"config nests 3 to 6): {_SHAPE_FIX}"
+    )
+
+
+def _too_many(name: str, syntax: str, what: str) -> UsageError:
+    return UsageError(
+        f"{name}: the {syntax.upper()} holds more than {MAX_NODES:,} {what} (the limit; a "
+        f"trainer config has hundreds of keys): {_SHAPE_FIX}"
+    )
+
+
+def check_shape(tree: dict, name: str, syntax: str) -> None:
+    """Refuse a parsed tree deeper than MAX_DEPTH or with more than MAX_NODES values
+    (iterative, so the check itself cannot recurse)."""
+    nodes = 1
+    stack: list[tuple[Any, int]] = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep(name, syntax)
+        for v in node.values() if isinstance(node, dict) else node:
+            nodes += 1
+            if isinstance(v, dict | list):
+                stack.append((v, depth + 1))
+        if nodes > MAX_NODES:
+            raise _too_many(name, syntax, "values")
+
+
+def _yaml_loader(yaml):
+    """libyaml's safe loader where PyYAML was built with it (~6x faster), else PyYAML's."""
+    return getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+
+
+def check_yaml_events(text: str, name: str, yaml, loader) -> None:
+    """Walk the YAML's event stream (libyaml's parser is iterative, nothing is built) and
+    refuse nesting over MAX_DEPTH, more than MAX_NODES nodes with every alias expanded (the
+    size of each anchor's node is counted when it closes, so a billion laughs costs its few
+    lines), and an alias inside its own anchor (a cycle, which recursion would never end)."""
+    sizes: dict[str, int] = {}  # anchor -> nodes of its node, its aliases expanded
+    open_anchors: set[str] = set()
+    stack: list[list] = [[0, None]]  # per open collection: [nodes so far, its anchor]
+    total = 0
+    for ev in yaml.parse(text, Loader=loader):
+        if isinstance(ev, yaml.AliasEvent):
+            if ev.anchor in open_anchors:
+                line = ev.start_mark.line + 1 if ev.start_mark else "?"
+                raise UsageError(
+                    f"{name}: line {line}: the alias *{ev.anchor} is inside its own anchor "
+                    f"&{ev.anchor}, so the value would contain itself without end. Replace the "
+                    "alias with the value it should have."
+                )
+            n = sizes.get(ev.anchor, 1)  # an undefined alias: the loader names it
+        elif isinstance(ev, yaml.ScalarEvent):
+            n = 1
+            if ev.anchor:
+                sizes[ev.anchor] = 1
+        elif isinstance(ev, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+            if len(stack) > MAX_DEPTH:
+                raise _too_deep(name, "yaml")
+            stack.append([1, ev.anchor])
+            if ev.anchor:
+                open_anchors.add(ev.anchor)
+            total += 1
+            if total > MAX_NODES:
+                raise _too_many(name, "yaml", "nodes with its aliases expanded")
+            continue
+        elif isinstance(ev, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+            n, anchor = stack.pop()
+            if anchor:
+                sizes[anchor] = n
+                open_anchors.discard(anchor)
+            stack[-1][0] += n
+            continue
+        else:
+            continue
+        stack[-1][0] += n
+        total += n
+        if total > MAX_NODES:
+            raise _too_many(name, "yaml", "nodes with its aliases expanded")
+
+
 def parse_tree(text: str, syntax: str, name: str) -> dict:
-    """TOML / YAML / JSON text -> a mapping; a syntax error names the file and the line."""
+    """TOML / YAML / JSON text -> a mapping; a syntax error names the file and the line.
+    Bounded: MAX_DEPTH levels, MAX_NODES nodes (YAML aliases expanded), no cycle."""
     try:
         if syntax == "toml":
             tree = tomllib.loads(text)
@@ -111,12 +231,16 @@ def parse_tree(text: str, syntax: str, name: str) -> dict:
             tree = json.loads(text)
         else:
             yaml = yaml_module()
+            loader = _yaml_loader(yaml)
             try:
-                tree = yaml.safe_load(text)
+                check_yaml_events(text, name, yaml, loader)
+                tree = yaml.load(text, Loader=loader)  # a safe loader
             except yaml.YAMLError as exc:
                 raise ValueError(str(exc).replace("\n", " ")) from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
-        raise UsageError(f"{name}: not valid {syntax.upper()}: {exc}") from None
+    except RecursionError:
+        raise _too_deep(name, syntax, parser=True) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # TOMLDecodeError, JSONDecodeError
+        raise UsageError(f"{name}: not valid {syntax.upper()}: {str(exc)[:300]}") from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):
@@ -124,6 +248,8 @@ def parse_tree(text: str, syntax: str, name: str) -> dict:
             f"{name}: the {syntax.upper()} holds a {type(tree).__name__}, not a mapping of "
             "config keys."
         )
+    if syntax != "yaml":  # YAML's shape was checked on its events, aliases expanded
+        check_shape(tree, name, syntax)
     return tree
 
 
@@ -183,15 +309,18 @@ def load_text(text: str, name: str, syntax: str | None = None) -> Loaded:
 
 
 def load_file(path: str | Path) -> Loaded:
+    """One config file, read whole: a regular file of at most CONFIG_CAP bytes (checked
+    with os.stat before it is opened, so a FIFO or a device never blocks or streams)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"--from-config {p}: no such file.") from None
-    except IsADirectoryError:
-        raise UsageError(f"--from-config {p}: a directory; give the config file.") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--from-config {p}: cannot read it ({exc}).") from None
+    text = safe_read.read_text(
+        p,
+        safe_read.CONFIG_CAP,
+        "trainer config",
+        "A trainer config is kilobytes: check that this is the config file (not a log, a "
+        "checkpoint or a dump).",
+        error=UsageError,
+        what=f"--from-config {p}",
+    )
     return load_text(text, str(p), TREE_SUFFIXES.get(p.suffix.lower()))
 
 

@@ -243,9 +243,14 @@ def _header(rule: Rule, row: dict) -> list[str]:
         line += f" (target {100 * row['target_fraction']:.3g}%)"
     out = [line]
     if row.get("ci_low") is not None and row.get("ci_high") is not None:
-        out.append(
-            f"#   95% interval of the threshold: {row['ci_low']:.4g} .. {row['ci_high']:.4g}"
-        )
+        lo, hi = row["ci_low"], row["ci_high"]
+        if row.get("target_fraction") is None:  # choose without -t: the fraction's interval
+            done = "truncated" if row.get("kind") == "weight" else "masked"
+            out.append(
+                f"#   95% interval of the {done} fraction: {100 * lo:.3g}% .. {100 * hi:.3g}%"
+            )
+        else:
+            out.append(f"#   95% interval of the threshold: {lo:.4g} .. {hi:.4g}")
     if written is not None and written != row["value"]:
         out.append("#   written with the fewest digits that stay inside that interval")
     if row.get("status") not in (None, "ok"):

@@ -60,38 +60,64 @@ class TrainerConfig:
 
 
 class Settings(dict):
-    """Flat dotted keys -> values, remembering which file set each key (for messages)."""
+    """Flat dotted keys -> values, remembering which file set each key (for messages).
+
+    `_below` indexes every key under each of its proper prefixes (`a.b.c` under `a` and
+    `a.b`), so that setting or deleting a key finds its children without scanning every key:
+    merging N keys of depth d costs O(N d), not O(N^2) (scanning every key on each assignment,
+    merging 10k / 20k / 40k keys took 5.4 / 21 / ~170 s on 2 shared cores; indexed, 0.03 /
+    0.07 / 0.21 s)."""
 
     def __init__(self):
         super().__init__()
         self.where: dict[str, str] = {}
+        self._below: dict[str, set[str]] = {}
+
+    @staticmethod
+    def _prefixes(key: str):
+        i = key.find(".")
+        while i >= 0:
+            yield key[:i]
+            i = key.find(".", i + 1)
+
+    def _drop(self, key: str) -> None:
+        self.pop(key)
+        self.where.pop(key, None)
+        for p in self._prefixes(key):
+            below = self._below.get(p)
+            if below is not None:
+                below.discard(key)
+                if not below:
+                    del self._below[p]
 
     def assign(self, key: str, value: Any, origin: str) -> None:
         """Hydra-like: setting a key drops its children (and a null parent above it)."""
-        for k in [k for k in self if k.startswith(key + ".")]:
-            self.pop(k)
-            self.where.pop(k, None)
-        parts = key.split(".")
-        for i in range(1, len(parts)):
-            parent = ".".join(parts[:i])
+        for k in list(self._below.get(key, ())):
+            self._drop(k)
+        for parent in self._prefixes(key):
             if parent in self and not isinstance(self[parent], dict):
-                self.pop(parent)
-                self.where.pop(parent, None)
+                self._drop(parent)
+        if key not in self:
+            for p in self._prefixes(key):
+                self._below.setdefault(p, set()).add(key)
         self[key] = value
         self.where[key] = origin
 
     def delete(self, key: str) -> None:
-        for k in [k for k in self if k == key or k.startswith(key + ".")]:
-            self.pop(k)
-            self.where.pop(k, None)
+        for k in list(self._below.get(key, ())):
+            self._drop(k)
+        if key in self:
+            self._drop(key)
 
     def under(self, prefix: str) -> dict[str, Any]:
-        """The keys below `prefix.` with the prefix removed."""
+        """The keys below `prefix.` with the prefix removed (in the order they were set)."""
         n = len(prefix) + 1
+        if prefix not in self._below:
+            return {}
         return {k[n:]: v for k, v in self.items() if k.startswith(prefix + ".")}
 
     def has(self, prefix: str) -> bool:
-        return prefix in self or any(k.startswith(prefix + ".") for k in self)
+        return prefix in self or prefix in self._below
 
     def origin(self, key: str) -> str:
         return self.where.get(key) or next(iter(self.where.values()), "the config")
