@@ -300,8 +300,8 @@ def test_round_trip_config_replay_choose_emit(name, chosen, tmp_path):
             back = config_in.read_text(text, cfg.framework, syntax)
             got = [r.rule for r in back.rules if r.rule.name == want.name]
             assert len(got) == 1 and _same(got[0], want), (syntax, text, back.specs())
-            # the other rules of the base config are kept
-            assert len(back.rules) == len(cfg.rules)
+            # only what was chosen: no rule the base holds beyond its slot's comes back
+            assert len(back.rules) <= len(cfg.rules)
             # merged over the base config, as the trainer would read base + override
             ext = {"toml": ".toml", "yaml": ".yaml"}.get(syntax, ".txt")
             over = tmp_path / f"override{ext}"
@@ -309,6 +309,10 @@ def test_round_trip_config_replay_choose_emit(name, chosen, tmp_path):
             merged = config_in.read_config([CONFIGS / name, over], framework=cfg.framework)
             got = [r.rule for r in merged.rules if r.rule.name == want.name]
             assert len(got) == 1 and _same(got[0], want), (syntax, text, merged.specs())
+            # ... the base's other rules kept as they were
+            assert len(merged.rules) == len(cfg.rules)
+            others = {r.rule.spec() for r in cfg.rules if r.rule.name != want.name}
+            assert others <= {r.rule.spec() for r in merged.rules}, (syntax, text)
 
 
 def test_emit_formats():
@@ -462,10 +466,6 @@ def test_wandb_offline_run_read_back(report, tmp_path, monkeypatch):
             assert kl == pytest.approx(sm["kl_k3"].to_list(), rel=1e-12)
 
 
-def test_wandb_targets():
-    from mismatch_replay.integrations.wandb_log import parse_target
-
-    assert parse_target("team/proj") == ("team", "proj", None)
 def test_wandb_init_kwargs_leave_the_users_settings_alone(tmp_path):
     from mismatch_replay.integrations.wandb_log import init_kwargs
 
@@ -533,6 +533,10 @@ def test_wandb_offline_run_goes_to_wandb_dir(report, tmp_path, monkeypatch):
     assert not back["run"]["resumed"] and back["run"]["id"] == info["id"]
 
 
+def test_wandb_targets():
+    from mismatch_replay.integrations.wandb_log import parse_target
+
+    assert parse_target("team/proj") == ("team", "proj", None)
     assert parse_target("team/proj/abc123") == ("team", "proj", "abc123")
     assert parse_target("https://wandb.ai/team/proj/runs/abc123?x=1") == ("team", "proj", "abc123")
     with pytest.raises(UsageError, match=r"ENTITY/PROJECT"):
@@ -632,7 +636,7 @@ def test_cli_choose_from_config_emit_round_trip(tmp_path):
         "prime-rl",
     )
     assert res.exit_code == 0, res.stderr
-    assert res.stdout.startswith("# mismatch-replay choose: ipo eps=")  # stdout: the override
+    assert res.stdout.startswith("# mismatch-replay choose: ipo@prime-rl eps=")  # the override
     assert "threshold masking 2% of tokens" in res.stderr  # the table went to stderr
     over = tmp_path / "chosen.toml"
     over.write_text(res.stdout)

@@ -8,7 +8,8 @@ the tool's name or a dashboard's: `mismatch_kl/all/mean`, `rollout_corr/k3_kl`, 
 masked fraction of one rule at one setting (`ipo:eps=0.3` masks at most 1%). `check` replays
 the log once through the rules named in the limits (the metrics come with every replay), with
 `per_step=True` grouped by step as well, and returns one `Verdict` per limit: the log's value,
-the worst step and its value, and whether the limit holds. With `per_step` a limit must hold in
+the worst step and its value, every step over the limit with its value (`violating`,
+`--json`'s `violating_steps`), and whether the limit holds. With `per_step` a limit must hold in
 every step (the worst step decides); without it, on the whole log. slime's
 `train_rollout_logprob_abs_diff` (a mean over samples of each sample's mean |lp - lq|) is no
 Tally metric: one more streaming pass computes it when a limit names it.
@@ -81,6 +82,8 @@ class Verdict:
     worst_step: int | None  # the step with the largest value (per-step checks)
     worst_value: float | None
     ok: bool
+    # per-step checks: every step over the limit, [(step, value)] in step order
+    violating: list[tuple[int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         lim = self.limit
@@ -94,6 +97,7 @@ class Verdict:
             "worst_step": self.worst_step,
             "worst_value": self.worst_value,
             "ok": self.ok,
+            "violating_steps": [{"step": s, "value": v} for s, v in self.violating],
         }
 
 
@@ -213,13 +217,18 @@ def check(
                 else None
             )
         worst_step = worst = None
+        violating: list[tuple[int, float]] = []
         if per is not None and per.height:
             per = per.drop_nulls(lim.name).sort([lim.name, "step"], descending=[True, False])
             if per.height:
                 worst_step, worst = int(per["step"][0]), float(per[lim.name][0])
+            over = per.filter(pl.col(lim.name) > lim.limit).sort("step")
+            violating = [
+                (int(s), float(v)) for s, v in zip(over["step"], over[lim.name], strict=True)
+            ]
         decisive = worst if per_step else value
         ok = decisive is None or decisive <= lim.limit
-        verdicts.append(Verdict(lim, value, worst_step, worst, ok))
+        verdicts.append(Verdict(lim, value, worst_step, worst, ok, violating))
     steps = res.metrics.height if per_step else None
     return CheckResult(verdicts, per_step, tokens, steps, list(getattr(res, "notes", [])))
 

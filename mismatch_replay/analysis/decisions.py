@@ -21,6 +21,13 @@ by-length replay of masked_by_length.png, on the few columns of
 `figure_data.LENGTH_SETTINGS`, with each sequence's length from the first read (none where
 the log has no sample_id): a length bucket needs every sequence's length before its first
 token is counted, so no Tally of the first read can hold it. Both return a `Decisions`.
+
+The rules given drive every answer (`decision_rules`): choose chooses a threshold for each
+of them, compare takes the first two that mask tokens (token or sequence rules: none, or
+one, and the section says why there is no comparison), drift watches the given mask rules,
+and masked_by_length buckets the given token and sequence mask rules. Only when no rule is
+given do the defaults apply: prime-rl's IPO, IcePop [0.2, 5] and KPop chosen, IPO against
+IcePop compared, `figure_data.LENGTH_SETTINGS` by length.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from .. import engine, fast, ingest
 from ..engine import readout
 from ..errors import DataError
-from ..rules import Rule, parse_rule
+from ..rules import Rule, TokenBatch, parse_rule
 from .choose import Choice, ChooseResult, choose
 from .compare import CompareResult, compare, compare_pass, compare_setup
 from .drift import DriftResult, drift, drift_from, drift_rules
@@ -59,21 +67,29 @@ class Decisions:
 
     target_fraction: float
     choose: ChooseResult
-    compare: CompareResult  # IPO and IcePop at their prime-rl defaults
-    compare_budget: CompareResult  # both at the target fraction
+    compare: CompareResult | None  # the pair at its settings (None: fewer than two rules)
+    compare_budget: CompareResult | None  # both at the target fraction
     drift: DriftResult | None
     drift_note: str | None = None
+    pair: tuple[str, str] | None = None  # the compared SPECs, as given
+    compare_note: str | None = None  # why there is no comparison
+    given: bool = False  # the rules were the user's (else the defaults)
 
     def to_dict(self) -> dict:
         d = {
             "target_fraction": self.target_fraction,
             "choose": [c.to_dict() for c in self.choose],
-            "compare": self.compare.to_dict(),
-            "compare_budget": self.compare_budget.to_dict(),
+            "compare": None if self.compare is None else self.compare.to_dict(),
+            "compare_budget": None
+            if self.compare_budget is None
+            else self.compare_budget.to_dict(),
             "drift": None if self.drift is None else self.drift.to_dict(),
+            "pair": None if self.pair is None else list(self.pair),
         }
         if self.drift_note is not None:
             d["drift_note"] = self.drift_note
+        if self.compare_note is not None:
+            d["compare_note"] = self.compare_note
         return d
 
 
@@ -83,14 +99,17 @@ def decisions(
     bootstrap: int = 200,
     options: ingest.ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    settings: Sequence[str | Rule] | None = None,
 ) -> Decisions:
-    """The three questions of the report's Decision section, on one log: which eps masks the
-    target fraction (choose), which tokens IPO and IcePop mask at their defaults and at an
-    equal budget (compare, at the settings choose found), and whether the run drifted
-    (drift; needs several steps). `report_data` answers the same sharing the report's
+    """The three questions of the report's Decision section, on one log: which threshold
+    masks the target fraction (choose), which tokens two rules mask at their settings and at
+    an equal budget (compare, at the settings choose found), and whether the run drifted
+    (drift; needs several steps), for the rules given (`settings`; else prime-rl's IPO,
+    IcePop and KPop: `decision_rules`). `report_data` answers the same sharing the report's
     passes."""
     plan = ingest.plan_sources(sources, options)
-    rules = [r for r in DECISION_RULES if all(c in plan.columns for c in parse_rule(r).needs)]
+    given = [parse_rule(r) if isinstance(r, str) else r for r in settings or []]
+    rules, pair, why, watched = decision_rules(plan.columns, given)
     chosen = choose(
         plan.files,
         target_fraction,
@@ -99,41 +118,118 @@ def decisions(
         options=options,
         progress=progress,
     )
-    at_defaults = compare(
-        plan.files,
-        "ipo@prime-rl",
-        "icepop@prime-rl",
-        examples=5,
-        options=options,
-        progress=progress,
-    )
-    at_budget = compare(
-        plan.files,
-        *BUDGET_PAIR,
-        budget=target_fraction,
-        examples=5,
-        options=options,
-        progress=progress,
-        budget_settings=_budget_pair(chosen, BUDGET_PAIR),
-    )
+    at_defaults = at_budget = None
+    if pair is not None:
+        at_defaults = compare(plan.files, *pair, examples=5, options=options, progress=progress)
+        at_budget = compare(
+            plan.files,
+            *_at_budget(pair, given),
+            budget=target_fraction,
+            examples=5,
+            options=options,
+            progress=progress,
+            budget_settings=_budget_pair(chosen, _at_budget(pair, given)),
+        )
     note = None
     try:
-        drifted = drift(plan.files, options=options, progress=progress)
+        drifted = drift(plan.files, watched, options=options, progress=progress)
     except DataError as exc:  # a single-step log: no drift to speak of
         drifted, note = None, str(exc)
-    return Decisions(target_fraction, chosen, at_defaults, at_budget, drifted, note)
+    names = None if pair is None else (pair[0].spec(), pair[1].spec())
+    return Decisions(
+        target_fraction, chosen, at_defaults, at_budget, drifted, note, names, why, bool(given)
+    )
 
 
-def _budget_pair(rows: Sequence[Choice], names: Sequence[str]) -> tuple[Choice, Choice] | None:
+def decision_rules(
+    columns: Sequence[str], settings: Sequence[Rule] | None
+) -> tuple[list[Rule], tuple[Rule, Rule] | None, str | None, list[Rule] | None]:
+    """What the Decision section asks, from the rules given (`settings`; None or empty: the
+    defaults): (the rules choose chooses for, the compared pair or None, why there is no
+    pair, the rules drift watches: None for its defaults). A given rule the log cannot
+    support (a column it needs) is left out of choose and compare."""
+    if not settings:
+        rules = [parse_rule(r) for r in DECISION_RULES]
+        rules = [r for r in rules if all(c in columns for c in r.needs)]
+        pair = (parse_rule("ipo@prime-rl"), parse_rule(BUDGET_PAIR[1]))
+        return rules, pair, None, None
+    rules = [r for r in settings if all(c in columns for c in r.needs)]
+    masks = [r for r in rules if r.kind == "mask" and r.level in ("token", "sequence")]
+    pair = (masks[0], masks[1]) if len(masks) >= 2 else None
+    note = None
+    if pair is None:
+        have = ", ".join(r.spec() for r in masks) or "none"
+        note = (
+            "compare needs two rules that mask tokens (token or sequence rules; weight rules "
+            f"such as TIS truncate and mask none); the rules given have {len(masks)} "
+            f"({have}). Give another --rule to compare them."
+        )
+    watched = [r for r in rules if r.kind == "mask"]
+    return rules, pair, note, watched
+
+
+_PROBE = TokenBatch(  # two tokens, one near p = 1: a rule's score must be defined on them
+    np.array([-0.1, -1e-12]), np.array([-0.2, -1e-9]), np.array([1.0, -1.0])
+)
+
+
+def preset_rules(columns: Sequence[str]) -> list[Rule]:
+    """Every catalogue preset (a rule's default where it has none) at its values, in the
+    stable form (the sweep's arithmetic), one per distinct setting; token and sequence rules
+    the log supports (m2po, per step, has its own figure)."""
+    from ..rules import REGISTRY
+
+    out: dict[str, Rule] = {}
+    for cls in REGISTRY.values():
+        if cls.level not in ("token", "sequence") or any(c not in columns for c in cls.needs):
+            continue
+        for vals in [*cls.presets.values()] or [{}]:
+            try:
+                r = cls(**vals)
+                job = engine.single_job(r)
+                if r.level == "token":  # a stable form that cannot score (clamp 0): left out
+                    r.score(_PROBE, job.param)
+            except Exception:  # a rule with no default threshold (token-k2: user sets)
+                continue
+            out.setdefault(r.spec(), r)
+    return list(out.values())
+
+
+def _preset_fractions(table: pl.DataFrame) -> dict[str, float]:
+    """spec -> the exact masked (weight rules: truncated) fraction of each one-value row of
+    the full replay's table (the presets and chosen settings among them)."""
+    out: dict[str, float] = {}
+    if table.height == 0 or "spec" not in table.columns:
+        return out
+    for r in table.iter_rows(named=True):
+        col = "truncated_fraction" if r["kind"] == "weight" else "masked_fraction"
+        if r[col] is not None:
+            out.setdefault(r["spec"], float(r[col]))
+    return out
+
+
+def _at_budget(pair: tuple[Rule, Rule], given) -> tuple[Rule, Rule]:
+    """The pair compared at the budget: the given pair, or by default BUDGET_PAIR (IPO in
+    the stable form choose searched, and prime-rl's IcePop)."""
+    return pair if given else (parse_rule(BUDGET_PAIR[0]), parse_rule(BUDGET_PAIR[1]))
+
+
+def _budget_pair(
+    rows: Sequence[Choice], names: Sequence[str | Rule]
+) -> tuple[Choice, Choice] | None:
     """choose's rows for the two rules' primary parameters (compare --budget's settings)."""
     out = []
     for spec in names:
-        rule = parse_rule(spec)
+        rule = parse_rule(spec) if isinstance(spec, str) else spec
         param = rule.primary_param()
+        head = rule.spec().partition(":")[0]  # name@preset: two presets of one rule differ
         hit = [
             r
             for r in rows
-            if r.rule == rule.name and r.param == param and r.setting == rule.setting(param)
+            if r.rule == rule.name
+            and r.param == param
+            and r.setting == rule.setting(param)
+            and r.spec.partition(":")[0] == head
         ]
         if not hit or hit[0].status == "out of range":
             return None
@@ -169,7 +265,7 @@ def _length_table(plan, full, rules, progress) -> pl.DataFrame | None:
     if tally is not None:
         return readout.sweep_table(tally)
     lengths = (dict(full.seq_keys), full.seq_stats().n.copy()) if clean else None
-    return length_table(plan, progress, lengths)
+    return length_table(plan, progress, lengths, rules)
 
 
 def report_data(
@@ -196,23 +292,24 @@ def report_data(
     from .inspect import Checks, summarize
 
     plan = ingest.plan_sources(sources, options)
-    chosen = (
-        [parse_rule(s) if isinstance(s, str) else s for s in settings]
-        if settings
-        else default_settings(plan.columns)
-    )
-    names = [r for r in DECISION_RULES if all(c in plan.columns for c in parse_rule(r).needs)]
+    given = [parse_rule(s) if isinstance(s, str) else s for s in settings or []]
+    chosen = given or default_settings(plan.columns)
+    # the rules given drive every answer; the defaults only where none are (decision_rules)
+    names, pair, why, watched_given = decision_rules(plan.columns, given)
+    lengths = length_rules(plan.columns, given or None)
     unit = "sequence" if "sample_id" in plan.columns else "step"
     with engine.use_precision(precision):
         p = engine.current_precision()
         sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
-        cjobs = choice_jobs([parse_rule(r) for r in names], True)  # shaped on the 1st batch
-        pair_jobs = [engine.single_job(parse_rule(r)) for r in ("ipo@prime-rl", BUDGET_PAIR[1])]
+        cjobs = choice_jobs(names, True)  # shaped on the 1st batch
+        pair_jobs = [engine.single_job(r) for r in pair or ()]
         # the chosen settings at their values: the tail then keeps their masked tokens,
         # which give the by-bucket table (TailCounts.by_q_bucket) with no Tally of its own
         set_jobs = [engine.single_job(r) for r in chosen if r.level == "token"]
         # ... and the by-length settings (a sequence rule's sums: verl's clamped ones)
-        set_jobs += [engine.single_job(r) for r in length_rules(plan.columns)]
+        set_jobs += [engine.single_job(r) for r in lengths]
+        # every catalogue preset at its values: the report's presets table, exact
+        set_jobs += [engine.single_job(r) for r in preset_rules(plan.columns)]
         if p is not None:
             sweep_jobs = engine.with_precision(sweep_jobs, p)
             cjobs = engine.with_precision(cjobs, p)
@@ -230,7 +327,7 @@ def report_data(
             first = first_jobs(cjobs, target_fraction, sample)
             return [*sweep_jobs, *first, *extra]
 
-        watched = drift_rules(plan.columns)
+        watched = drift_rules(plan.columns) if watched_given is None else watched_given
         specs = {r.spec() for r in chosen}
         step_rules = chosen + [r for r in watched if r.spec() not in specs]
         checks = Checks(plan.columns)
@@ -254,6 +351,7 @@ def report_data(
         full.notes = [*notes, *full.notes]
         res = full.result()
         table = res.table
+        presets = _preset_fractions(table)
         if len(full.jobs) > n0:  # in job order: the sweep's jobs first, then choose's and the rest
             table = table.head(sum(len(j.values) for j in full.jobs[:n0]))
         if on_sweep is not None:
@@ -278,19 +376,21 @@ def report_data(
         steps = by_step.result().table
         if len(step_rules) > len(chosen):
             steps = steps.filter(pl.col("spec").is_in(list(specs)))
-        pairs = [
-            compare_setup(plan, "ipo@prime-rl", BUDGET_PAIR[1], None, None, None, progress),
-            compare_setup(
-                plan,
-                *BUDGET_PAIR,
-                target_fraction,
-                None,
-                _budget_pair(choices, BUDGET_PAIR),
-                progress,
-            ),
-        ]
-        at_defaults, at_budget = compare_pass(plan, pairs, 5, progress, full)
-        by_length = _length_table(plan, full, length_rules(plan.columns), progress)
+        at_defaults = at_budget = None
+        if pair is not None:
+            pairs = [
+                compare_setup(plan, *pair, None, None, None, progress),
+                compare_setup(
+                    plan,
+                    *_at_budget(pair, given),
+                    target_fraction,
+                    None,
+                    _budget_pair(choices, _at_budget(pair, given)),
+                    progress,
+                ),
+            ]
+            at_defaults, at_budget = compare_pass(plan, pairs, 5, progress, full)
+        by_length = _length_table(plan, full, lengths, progress)
     if summary is not None:
         summary["summary"] = summarize(plan, by_step, full, checks)
     drift_specs = {r.spec() for r in watched}
@@ -319,5 +419,11 @@ def report_data(
         sources=[str(x) for x in plan.files],
         notes=list(full.notes) + ([NO_LENGTH_NOTE] if by_length is None else []),
         by_length=by_length,
+        given=bool(given),
+        presets=presets,
     )
-    return data, Decisions(target_fraction, choices, at_defaults, at_budget, drifted, note)
+    names_ = None if pair is None else (pair[0].spec(), pair[1].spec())
+    dec = Decisions(
+        target_fraction, choices, at_defaults, at_budget, drifted, note, names_, why, bool(given)
+    )
+    return data, dec

@@ -67,6 +67,9 @@ class FigureData(Presentable):
     notes: list[str] = field(default_factory=list)
     # LENGTH_SETTINGS' sweep table by length bucket (None: the log has no sample_id)
     by_length: pl.DataFrame | None = None
+    given: bool = False  # `settings` are the rules the user gave (else DEFAULT_SETTINGS)
+    # spec -> exact masked (truncated) fraction at each catalogue preset (report_data)
+    presets: dict[str, float] = field(default_factory=dict)
 
     @property
     def table(self) -> pl.DataFrame:
@@ -91,11 +94,16 @@ def default_settings(columns: Sequence[str]) -> list[Rule]:
     return [r for r in rules if all(c in columns for c in r.needs)]
 
 
-def length_rules(columns: Sequence[str]) -> list[Rule]:
-    """LENGTH_SETTINGS, or none where the log has no sequence ids (no length to bucket)."""
+def length_rules(columns: Sequence[str], given: Sequence[Rule] | None = None) -> list[Rule]:
+    """The settings of masked_by_length: the token and sequence mask rules of `given` (the
+    user's rules; the figure follows them), else LENGTH_SETTINGS; none where the log has no
+    sequence ids (no length to bucket)."""
     if "sample_id" not in columns:
         return []
-    rules = [parse_rule(s) for s in LENGTH_SETTINGS]
+    if given:
+        rules = [r for r in given if r.kind == "mask" and r.level in ("token", "sequence")]
+    else:
+        rules = [parse_rule(s) for s in LENGTH_SETTINGS]
     return [r for r in rules if all(c in columns for c in r.needs)]
 
 
@@ -103,11 +111,12 @@ def length_table(
     plan: ingest.Plan,
     progress: Callable[[int, int], None] | None = None,
     lengths: tuple[dict, np.ndarray] | None = None,
+    rules: Sequence[Rule] | None = None,
 ) -> pl.DataFrame | None:
     """LENGTH_SETTINGS by sequence-length bucket (`engine.replay(by="length")`: a pre-pass
     that counts each sequence's loss tokens, unless `lengths` gives them, then the replay,
     both on the few columns these rules read); None where the log has no sample_id."""
-    rules = length_rules(plan.columns)
+    rules = length_rules(plan.columns) if rules is None else list(rules)
     if not rules:
         return None
     tally = engine.replay(
@@ -145,7 +154,9 @@ def figure_data(
         res = full.result()
         by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
         by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
-        by_length = length_table(plan, progress)
+        by_length = length_table(
+            plan, progress, None, length_rules(plan.columns, settings and chosen)
+        )
     notes = list(full.notes) + ([NO_LENGTH_NOTE] if by_length is None else [])
     return FigureData(
         hist_lin=full.hist_lin,
@@ -162,4 +173,5 @@ def figure_data(
         sources=[str(p) for p in plan.files],
         notes=notes,
         by_length=by_length,
+        given=bool(settings),
     )

@@ -119,6 +119,8 @@ class TailCounts:
         if tb is None:
             a = self.tail.arrays()
             adv = a.get("advantage")
+            if adv is None and self.tail.kept == 0:  # nothing kept: an empty advantage
+                adv = np.zeros(0)
             if idx is None:
                 tb = TokenBatch(a["lp"], a["lq"], adv)
             else:

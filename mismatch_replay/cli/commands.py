@@ -376,8 +376,11 @@ def choose(
     bands: each side with the other at its default). The answer is exact on a grid refined
     until the fraction is within 1% of the target, or limited by ties in the data (said).
 
-    --from-config reads the rules from the trainer's config; --emit writes the answer back
-    in its syntax: choose LOG --from-config rl.toml -t 0.0025 --emit prime-rl.
+    --from-config reads the rules from the trainer's config (with --rule, only the --rule
+    rules are chosen and the config is what the answer is written over); --emit writes the
+    answer back in its syntax, only the keys of the rules chosen, each threshold with the
+    fewest digits inside its interval: choose LOG --from-config rl.toml -t 0.0025 --emit
+    prime-rl.
     """
 
     def body():
@@ -388,6 +391,8 @@ def choose(
 
             check_target(emit)  # before any pass over the log
         cfg, rules = _config_rules(from_config, framework, rule)
+        if cfg is not None and rule:  # the question is --rule's; the config is the base
+            rules = list(rule)
         opts = read.options()
         with render.progress("choose") as cb:
             rows = run_choose(
@@ -642,11 +647,11 @@ def report(
             metavar="LOGDIR",
             help="Also write TensorBoard event files into LOGDIR: the per-step series as "
             "scalars at their steps, the figures as images, the chosen thresholds as text. "
-            "Needs the [tensorboard] extra (tensorboardX).",
+            "Needs the \\[tensorboard] extra (tensorboardX).",
         ),
     ] = None,
     read: Reads = READ_DEFAULTS,
-    precision: PrecisionOpt = "float64",
+    precision: PrecisionOpt = None,
     precision_threshold: Annotated[
         float,
         typer.Option(

@@ -242,6 +242,49 @@ def rule_label(rule: str, setting: str | None) -> str:
     return rule + (f" [{setting.replace(',', ', ')}]" if setting else "")
 
 
+def given_label(spec: str, exclude: str | None = None) -> str:
+    """A rule SPEC as a table's first column names it: the name as the user gave it, preset
+    included ('token-mis@verl'), and in brackets the fixed parameters that differ from that
+    preset's (all of them without a preset); `exclude`: the swept or chosen parameter.
+    'token-mis@verl:low=0.5,high=5' -> 'token-mis@verl'; 'icepop@verl:low=0.3,high=5' with
+    exclude 'high' -> 'icepop@verl [low=0.3]'; 'icepop:low=0.2,high=5' -> 'icepop [low=0.2,
+    high=5]'."""
+    import math
+
+    from ..rules import REGISTRY
+
+    head, _, vals = spec.partition(":")
+    name, _, preset = head.partition("@")
+    ref = REGISTRY[name].presets.get(preset, {}) if preset and name in REGISTRY else {}
+    shown = []
+    for kv in filter(None, vals.split(",")):
+        k, _, v = kv.partition("=")
+        if k == exclude:
+            continue
+        try:
+            x = float(v)
+        except ValueError:
+            shown.append(kv)
+            continue
+        if k in ref and ref[k] is not None and math.isclose(x, ref[k], rel_tol=1e-12):
+            continue  # the preset's own value: its name says it
+        shown.append(f"{k}={fmt_num(x)}")
+    return head + (f" [{', '.join(shown)}]" if shown else "")
+
+
+def budget_side(param: str) -> str:
+    """Which side of a rule a parameter bounds, in words: 'high' -> 'its upper bound'."""
+    if param in ("high", "hi", "cap", "eps_high", "tau", "phi", "delta", "c") or param.endswith(
+        "high"
+    ):
+        return "its upper bound"
+    if param == "low" or param.endswith("low") or param == "v":
+        return "its lower bound"
+    if param == "eps":
+        return "its band half-width"
+    return "its threshold"
+
+
 def spec_header(spec: str) -> str:
     """A rule SPEC as a column header, one part per line: 'icepop:low=0.2,high=5' ->
     'icepop\nlow=0.2\nhigh=5', so a header is as narrow as its longest part and never cut."""
@@ -355,11 +398,12 @@ def print_check(res, per_step: bool) -> None:
     if per_step:
         t.add_column("worst step", justify="right")
         t.add_column("worst value", justify="right")
+        t.add_column("steps over", justify="right")
     t.add_column("verdict")
     for v in res.verdicts:
         cells = [v.limit.label, fmt_num(v.limit.limit), fmt_num(v.value)]
         if per_step:
-            cells += [fmt_num(v.worst_step), fmt_num(v.worst_value)]
+            cells += [fmt_num(v.worst_step), fmt_num(v.worst_value), f"{len(v.violating):,}"]
         t.add_row(*[escape(c) for c in cells], "ok" if v.ok else "[bold red]EXCEEDED[/]")
     show(t)
 
@@ -393,7 +437,11 @@ def _sweep_table(
         t.add_column(escape(c), justify="left" if left else "right", overflow="fold")
     prev = prev_value = None
     for r in part.iter_rows(named=True):
-        label = rule_label(r["rule"], r["setting"])
+        label = (
+            given_label(r["spec"], r["param"])
+            if r.get("spec")
+            else rule_label(r["rule"], r["setting"])
+        )
         value = fmt_num(r["value"])
         if job:  # grouped rows of one value: the value once
             row = [value if value != prev_value else ""]
@@ -452,8 +500,8 @@ def print_sweep(df, by: str | None, all_rows: bool) -> None:
         if fit(t):
             out.print(t)
             continue
-        for _, job in part.group_by(["rule", "setting", "param"], maintain_order=True):
-            label = rule_label(job["rule"][0], job["setting"][0])
+        for _, job in part.group_by(["spec", "param"], maintain_order=True):
+            label = given_label(job["spec"][0], job["param"][0])
             title = f"{verb} by {label}, {job['param'][0]} swept{of}"
             t = _sweep_table(title, job, kind, by, seqs, prime, True, groups)
             show(t)
@@ -497,7 +545,7 @@ def print_choose(rows, target_fraction: float | None, to_err: bool) -> None:
         t.add_column(escape(c), justify="left" if left else "right", overflow="fold")
     notes: list[str] = []
     for r in rows:
-        label = rule_label(r.rule, r.setting)
+        label = given_label(r.spec, r.param)
         ci_fmt = pct if target_fraction is None else fmt_num
         ci = "-" if r.ci_low is None else f"{ci_fmt(r.ci_low)} .. {ci_fmt(r.ci_high)}"
         status = r.status + (f" [{len(notes) + 1}]" if r.note else "")
@@ -520,7 +568,24 @@ def print_compare(res, budget: float | None) -> None:
                 f"{fmt_num(v.value)} (masks {pct(v.masked_fraction)}, {v.status})",
                 highlight=False,
             )
-    t = Table(title=f"A = {a}   B = {b}   ({res.tokens:,} loss tokens)", show_edge=False)
+    sides = []
+    for key, spec in (("a", a), ("b", b)):
+        v = res.settings.get(key)
+        if v is None:
+            sides.append(f"{key.upper()} = {given_label(spec)}")
+            continue
+        head, _, vals = spec.partition(":")
+        others = [kv for kv in vals.split(",") if kv and kv.partition("=")[0] != v.param]
+        kept = ", ".join(
+            f"{k}={fmt_num(float(x))}" for k, _, x in (o.partition("=") for o in others)
+        )
+        sides.append(
+            f"{key.upper()} = {head} with {budget_side(v.param)} {v.param} moved to "
+            f"{fmt_num(v.value)}" + (f" ({kept} kept)" if kept else "")
+        )
+    title = f"{'   '.join(sides)}   ({res.tokens:,} loss tokens)"
+    title += f"; both at the {pct(budget)} budget" if res.settings else ""
+    t = Table(title=escape(title), show_edge=False)
     for c in ("", "tokens", "fraction", "mean q (infer)", "mean p (train)", "|dp| mass"):
         t.add_column(c, justify="left" if not c else "right")
     names = {"both": "masked by both", "only_a": "only A", "only_b": "only B", "neither": "neither"}

@@ -244,7 +244,10 @@ def masked_fraction(
                 gid="note",
             )
         else:
-            fig.supxlabel(note, fontsize=NOTE, color="0.25")
+            # wrapped to the figure's width (~14 characters an inch at NOTE size): a note
+            # wider than the panels would be cut at both edges of the PNG
+            width = max(60, int(fig.get_figwidth() * 14))
+            fig.supxlabel(textwrap.fill(note, width), fontsize=NOTE, color="0.25")
     # last: where a label goes depends on the final layout
     if place_labels(fig, labels, size=NOTE, prefix="preset") and ax is None:
         fig.set_layout_engine("none")  # laid out once, for the labels: saving keeps it
@@ -254,7 +257,7 @@ def masked_fraction(
 def _framework_text(presets: str) -> str:
     """A preset marker's label: its frameworks ('default' for the rule's own default)."""
     names = [n.strip() for n in presets.split(",") if n.strip()]
-    return ", ".join(names[:2]) + (" …" if len(names) > 2 else "")
+    return ", ".join(names)  # every framework named ("verl, areal ..." told a reader nothing)
 
 
 def _draw_family(

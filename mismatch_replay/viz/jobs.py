@@ -135,7 +135,9 @@ def report(
             progress=bar,
             precision=precision,
             summary=got,
-            on_sweep=None if helper is None else lambda t: _early(helper, t, target_fraction),
+            on_sweep=None
+            if helper is None
+            else lambda t: _early(helper, t, target_fraction, settings),
         )
         summary = got["summary"]
         found = analysis.findings(
@@ -170,10 +172,12 @@ def report(
         )
 
 
-def _early(helper: pool.FigurePool, table, target_fraction: float) -> None:
+def _early(helper: pool.FigurePool, table, target_fraction: float, settings=None) -> None:
     """masked_fraction sent to the helper as soon as its sweep table exists (write_report's
-    PNG at its resolution: `render_all` picks it up)."""
-    kw = {"target_fraction": target_fraction}
+    PNG at its resolution, the panels of the rules given: `render_all` picks it up)."""
+    from .render import panel_rules
+
+    kw = {"target_fraction": target_fraction, "rules": panel_rules(settings or (), bool(settings))}
     helper.send("masked_fraction", pool.Part(sweep=table), "png", page.DPI, kw)
 
 

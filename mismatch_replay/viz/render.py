@@ -66,8 +66,13 @@ PNG_COMPRESS_LEVEL = 3
 
 
 def scatter_kwargs(data: FigureData) -> dict:
-    """The headline scatter's boundaries from the chosen settings: the first IPO eps and the
-    first IcePop band (the IPO docs' figure: eps 0.3 and [0.2, 5] by default)."""
+    """The headline scatter's boundaries: the rules the user gave, each that has one in the
+    (q, p) plane (`Rule.boundary`: token-MIS@verl's cone, not prime-rl's IcePop); by default
+    the first IPO eps and the first IcePop band of the settings (the IPO docs' figure: eps
+    0.3 and [0.2, 5])."""
+    if getattr(data, "given", False):
+        drawn = [r for r in data.settings if type(r).boundary]
+        return {"ipo_eps": (), "icepop": (), "extra": drawn}
     ipo = [float(r.eps) for r in data.settings if r.name == "ipo" and r.eps is not None]
     ice = [
         (float(r.low or 0.0), float(r.high))
@@ -77,12 +82,27 @@ def scatter_kwargs(data: FigureData) -> dict:
     return {"ipo_eps": tuple(ipo[:1]) or (0.3,), "icepop": tuple(ice[:1]) or ((0.2, 5.0),)}
 
 
-def figures(data: FigureData, target_fraction: float | None = None) -> dict[str, Callable]:
+def panel_rules(settings, given: bool) -> list[str] | None:
+    """The rules masked_fraction draws panels for: those the user gave (names, sorted), or
+    None (every rule) where the settings are the defaults."""
+    if not given:
+        return None
+    return sorted(
+        {(s if isinstance(s, str) else s.spec()).split(":")[0].split("@")[0] for s in settings}
+    )
+
+
+def figures(
+    data: FigureData, target_fraction: float | None = None, rules: list[str] | None = None
+) -> dict[str, Callable]:
     """name -> a function that builds that figure (what `render_all` writes), in FIGURES
-    order; masked_by_length only where the data has its by-length table."""
+    order; masked_by_length only where the data has its by-length table. `rules`: the
+    rule names masked_fraction draws (`panel_rules`; None: every rule)."""
     out = {
         "scatter": lambda: scatter_panels(data, **scatter_kwargs(data)),
-        "masked_fraction": lambda: masked_fraction(data.sweep, target_fraction=target_fraction),
+        "masked_fraction": lambda: masked_fraction(
+            data.sweep, target_fraction=target_fraction, rules=rules
+        ),
         "steps": lambda: steps(data),
         "where_masked": lambda: where_masked(data),
     }
@@ -180,7 +200,12 @@ def render_all(
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise UsageError(f"-o {outdir}: that is a file; give a directory for the figures.")
-    builds = figures(data, target_fraction)
+    kw = {
+        "target_fraction": target_fraction,
+        "rules": panel_rules(getattr(data, "settings", ()), getattr(data, "given", False)),
+    }
+    # (rules only when given: a caller's own `figures` may take the target alone)
+    builds = figures(data, target_fraction, *([kw["rules"]] if kw["rules"] else []))
     targets = {name: outdir / f"{name}.{fmt}" for name in builds}
     existing = [p for p in targets.values() if p.exists()]
     if existing and not force:
@@ -195,7 +220,6 @@ def render_all(
         if progress is not None:
             progress(drawn, len(builds))
 
-    kw = {"target_fraction": target_fraction}
     away = set()
     if pool is not None:  # the helper's figures (one it was sent early is kept: `ready`)
         away = {n for n in pool.offload if n in builds and pool.ask(n, data, fmt, dpi, kw)}

@@ -300,7 +300,41 @@ def _spec_of(rule: str, setting: str, param: str, value: float) -> str | None:
         return None
 
 
+def _exact_presets_html(data: FigureData) -> str:
+    """Every catalogue preset at its values with its exact fraction (`data.presets`, counted
+    in the report's one read), presets with the same values on one row."""
+    from ..rules import REGISTRY
+
+    rows, seen = [], {}
+    for name, cls in REGISTRY.items():
+        for pname, vals in list(cls.presets.items()) or [("default", {})]:
+            try:
+                spec = cls(**vals).spec()
+            except Exception:
+                continue
+            if spec not in data.presets:
+                continue
+            if spec in seen:
+                rows[seen[spec]][1] += f", {pname}"
+                continue
+            seen[spec] = len(rows)
+            kvs = [kv.partition("=") for kv in spec.partition(":")[2].split(",") if kv]
+            setting = ", ".join(f"{k}={_num(float(v))}" for k, _, v in kvs) or "—"
+            kind = "truncated" if cls.kind == "weight" else "masked"
+            rows.append([display_name(name), pname, setting, _pct(data.presets[spec]), kind])
+    note = (
+        '<p class="note">Every rule of the catalogue at each of its presets (or its default), '
+        "counted exactly on this log in the report's read (the rules' stable arithmetic; a "
+        "preset's own, e.g. float32 or prob-space, replays with "
+        "<code>sweep -r NAME@PRESET</code>).</p>"
+    )
+    headers = ["rule", "preset(s)", "setting", "fraction", ""]
+    return note + _table(headers, rows, numeric=(3,))
+
+
 def _presets_html(data: FigureData) -> str:
+    if getattr(data, "presets", None):
+        return _exact_presets_html(data)
     pts = preset_points(data.sweep)
     if pts.height == 0:
         return '<p class="note">No preset lies on the swept grids.</p>'
@@ -309,27 +343,43 @@ def _presets_html(data: FigureData) -> str:
     for r in chosen.iter_rows(named=True) if chosen.height else ():
         exact[r["spec"]] = r["truncated_fraction" if r["kind"] == "weight" else "masked_fraction"]
     rows = []
+    shown: set[str] = set()
+    between: dict[str, None] = {}
     for r in pts.iter_rows(named=True):
         spec = _spec_of(r["rule"], r["setting"], r["param"], r["value"])
         if not r["exact"] and spec in exact:  # a chosen setting: its exact value is known
             r["fraction"], r["exact"] = exact[spec], True
-        frac = _pct(r["fraction"])
+        if not r["exact"]:  # an interpolation would disagree with the exact counts shown
+            between[f"{display_name(r['rule'])} {r['param']}={_num(r['value'])}"] = None
+            continue
+        shown.add(r["rule"])
         rows.append(
             [
                 display_name(r["rule"]),
                 r["presets"],
                 f"{r['param']}={_num(r['value'])}",
                 r["setting"].replace(",", ", ") or "—",
-                frac if r["exact"] else f"≈ {frac}",
+                _pct(r["fraction"]),
                 "truncated" if r["kind"] == "weight" else "masked",
             ]
         )
+    swept = dict.fromkeys(data.sweep["rule"].to_list()) if data.sweep.height else {}
+    absent = [display_name(n) for n in swept if n not in shown]
     note = (
-        '<p class="note">Every rule of the sweep at its presets (or its default). Values '
-        "marked ≈ lie between two grid points of the sweep and are interpolated; masked "
-        "fractions are monotone in a threshold, so the exact value lies between its "
-        "neighbours (the chosen settings are exact).</p>"
+        '<p class="note">Every rule of the sweep at those of its presets (or its default) '
+        "that are grid points of the sweep, or chosen settings: exact counts only."
     )
+    if between:
+        note += (
+            " Left out, between two grid points (an interpolated value would disagree with "
+            f"the exact counts elsewhere on this page): {_e(', '.join(between))}."
+        )
+    if absent:
+        note += (
+            " No preset on a swept line (its other parameters differ from the sweep's): "
+            f"{_e(', '.join(dict.fromkeys(absent)))}."
+        )
+    note += " Replay any of them exactly with <code>sweep -r NAME@PRESET</code>.</p>"
     headers = ["rule", "preset(s)", "swept parameter", "other parameters", "fraction", ""]
     return note + _table(headers, rows, numeric=(4,))
 
@@ -629,7 +679,7 @@ def _choose(d: Decisions) -> str:
     t = d.target_fraction
     rows = []
     for r in d.choose:
-        label = r.rule + (f" [{r.setting}]" if r.setting else "")
+        label = _given(r.spec, r.param)
         ci = "–" if r.ci_low is None else f"{_dnum(r.ci_low)} – {_dnum(r.ci_high)}"
         status = r.status + (f" ({r.note})" if r.note else "")
         rows.append([label, r.param, _dnum(r.value), ci, _dpct(r.masked_fraction), status])
@@ -699,15 +749,59 @@ def _drift(d: DriftResult | None, note: str | None) -> str:
     )
 
 
+def _given(spec: str, exclude: str | None = None) -> str:
+    """A SPEC named as the user gave it: 'token-mis@verl-k1', the fixed parameters that
+    differ from the preset's in brackets (cli.render.given_label's reading)."""
+    from ..rules import REGISTRY
+
+    head, _, vals = spec.partition(":")
+    name, _, preset = head.partition("@")
+    ref = REGISTRY[name].presets.get(preset, {}) if preset and name in REGISTRY else {}
+    shown = []
+    for kv in filter(None, vals.split(",")):
+        k, _, v = kv.partition("=")
+        if k == exclude:
+            continue
+        try:
+            x = float(v)
+        except ValueError:
+            shown.append(kv)
+            continue
+        if ref.get(k) is not None and abs(x - ref[k]) <= 1e-12 * max(abs(x), abs(ref[k])):
+            continue
+        shown.append(f"{k}={_dnum(x)}")
+    return head + (f" [{', '.join(shown)}]" if shown else "")
+
+
 def decision_html(d: Decisions) -> str:
-    """The Decision section's HTML from `analysis.decisions()` (or `report_data`)."""
-    return (
-        _choose(d)
-        + _compare(d.compare, "IPO and IcePop at their prime-rl defaults")
-        + _compare(
-            d.compare_budget,
-            f"At an equal budget ({_dpct(d.target_fraction)} of tokens each): which tokens "
-            "does each rule choose?",
+    """The Decision section's HTML from `analysis.decisions()` (or `report_data`): for the
+    rules given (`d.given`), else the defaults (prime-rl's IPO and IcePop)."""
+    if d.compare is None or d.compare_budget is None:
+        pair = f"<h3>Which tokens do two rules mask?</h3><p>{_e(d.compare_note or '')}</p>"
+    else:
+        a, b = (d.pair or (d.compare.rule_a, d.compare.rule_b))[:2]
+        first = (
+            f"{_given(a)} and {_given(b)} at their settings"
+            if d.given
+            else "IPO and IcePop at their prime-rl defaults"
         )
-        + _drift(d.drift, d.drift_note)
-    )
+        moved = [
+            f"{k.upper()}'s {s.param} (its {_side(s.param)}) set to {_dnum(s.value)}"
+            for k, s in d.compare_budget.settings.items()
+        ]
+        pair = _compare(d.compare, first) + _compare(
+            d.compare_budget,
+            f"At an equal budget ({_dpct(d.target_fraction)} of tokens each"
+            + (f": {'; '.join(moved)}" if moved else "")
+            + "): which tokens does each rule choose?",
+        )
+    return _choose(d) + pair + _drift(d.drift, d.drift_note)
+
+
+def _side(param: str) -> str:
+    """Which side of a rule a parameter moves, in words."""
+    if param in ("high", "hi", "cap", "tau", "phi", "delta", "c") or param.endswith("high"):
+        return "upper bound"
+    if param == "low" or param.endswith("low") or param == "v":
+        return "lower bound"
+    return "band half-width" if param == "eps" else "threshold"

@@ -1,0 +1,287 @@
+"""Issue 36, a verl user's first hour: every preset alone and in pairs through choose,
+compare and the report's data; verl's column names; --emit for a rejection-only question;
+check --per-step's violating steps; compare --budget's side; the tables' preset names.
+
+The golden log (tests/data) holds 19,598 loss tokens in 8 steps, with sequences and
+advantages, so every rule of the catalogue applies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from mismatch_replay import analysis
+from mismatch_replay.cli import app
+from mismatch_replay.cli.render import budget_side, given_label
+from mismatch_replay.errors import UsageError
+from mismatch_replay.integrations import config_in, config_out
+from mismatch_replay.rules import REGISTRY, parse_rule
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = str(DATA / "golden_log.parquet")
+CONFIGS = Path(__file__).parent / "configs"
+PRESETS = [f"{n}@{p}" for n, cls in REGISTRY.items() for p in cls.presets]
+MASKS = [s for s in PRESETS if parse_rule(s).kind == "mask" and parse_rule(s).level != "step"]
+
+
+def _golden_l() -> np.ndarray:
+    d = pl.read_parquet(GOLDEN).filter(pl.col("loss_mask"))
+    return (d["trainer_logprob"] - d["inference_logprob"]).to_numpy()
+
+
+def test_every_preset_has_a_spec():
+    assert len(PRESETS) >= 40 and "token-k3@verl" in PRESETS and "token-mis@verl-k1" in PRESETS
+
+
+@pytest.mark.parametrize("spec", PRESETS)
+def test_choose_each_preset_alone(spec):
+    """The crash of issue 36 (KeyError 'bits': a tail that kept no token) for
+    token-k3@verl, token-k2@verl, token-mis@verl-k1 alone; every preset alone answers."""
+    rows = analysis.choose([GOLDEN], 0.005, [spec], bootstrap=20)
+    assert len(rows) >= 1
+    for r in rows:
+        assert r.status in ("ok", "ties", "out of range", "not converged"), r
+        if r.status == "ok":
+            assert math.isclose(r.masked_fraction, 0.005, rel_tol=0.02), r
+
+
+def test_choose_token_k3_alone_is_exact():
+    """token-k3@verl alone, against numpy: k3 = r - 1 - l with l clamped to +-20."""
+    (row,) = analysis.choose([GOLDEN], 0.005, ["token-k3@verl"], bootstrap=20)
+    lr = np.clip(_golden_l(), -20, 20)
+    k3 = np.exp(lr) - 1 - lr
+    assert int((k3 > row.value).sum()) == row.masked_tokens
+    assert row.ci_low is not None and row.ci_low <= row.value <= row.ci_high
+
+
+def test_choose_preset_pairs():
+    """Consecutive pairs covering every preset: each rule answers as it does alone (the
+    same threshold: the answer does not depend on the other rule)."""
+    alone = {}
+    for a, b in zip(PRESETS[::2], PRESETS[1::2] + PRESETS[:1], strict=False):
+        rows = analysis.choose([GOLDEN], 0.005, [a, b], bootstrap=0)
+        for r in rows:
+            alone.setdefault(r.spec.partition(":")[0] + r.param, set()).add(round(r.value, 12))
+    assert alone and all(len(v) == 1 for v in alone.values()), alone
+
+
+def test_compare_preset_pairs():
+    """Consecutive pairs of the mask presets through compare: the four cells add up."""
+    specs = [s if None not in parse_rule(s).values().values() else f"{s}:hi=0.002" for s in MASKS]
+    for a, b in zip(specs, specs[1:] + specs[:1], strict=True):
+        res = analysis.compare([GOLDEN], a, b)
+        assert res.both + res.only_a + res.only_b + res.neither == res.tokens == 19598
+
+
+def test_compare_refuses_weight_presets_with_a_sentence():
+    with pytest.raises(UsageError, match="truncates weights"):
+        analysis.compare([GOLDEN], "tis@verl", "token-mis@verl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", PRESETS)
+def test_report_data_each_preset_alone(spec):
+    data, dec = analysis.report_data([GOLDEN], [spec], 0.005, bootstrap=0)
+    assert dec.given and [r.spec() for r in data.settings] == [parse_rule(spec).spec()]
+    assert {c.spec.partition(":")[0] for c in dec.choose} <= {spec}
+    assert dec.compare is None and "two rules" in dec.compare_note
+
+
+@pytest.mark.slow
+def test_report_data_preset_pairs():
+    for a, b in zip(MASKS[::3], MASKS[1::3], strict=False):
+        _, dec = analysis.report_data([GOLDEN], [a, b], 0.005, bootstrap=0)
+        assert dec.pair == (parse_rule(a).spec(), parse_rule(b).spec())
+        assert dec.compare.rule_a == parse_rule(a).spec()
+        assert dec.compare_budget is not None and set(dec.compare_budget.settings) == {"a", "b"}
+
+
+# ----------------------------------------------------------------------------- verl names
+
+
+@pytest.fixture(scope="module")
+def verl_log(tmp_path_factory) -> str:
+    """The golden log with verl's column names, one Parquet file a step."""
+    out = tmp_path_factory.mktemp("verl")
+    d = pl.read_parquet(GOLDEN).rename(
+        {
+            "trainer_logprob": "old_log_probs",
+            "inference_logprob": "rollout_log_probs",
+            "loss_mask": "response_mask",
+            "advantage": "advantages",
+            "step": "global_step",
+        }
+    )
+    for (s,), g in d.group_by(["global_step"], maintain_order=True):
+        g.write_parquet(out / f"step_{s}.parquet")
+    return str(out / "*.parquet")
+
+
+def test_verl_old_log_probs_is_the_trainer_logprob(verl_log):
+    from mismatch_replay.analysis.inspect import inspect_log
+
+    s = inspect_log([verl_log])
+    assert s.source["trainer_logprob"] == "old_log_probs"
+    assert "old_logprob" not in s.source
+    assert s.loss_tokens == 19598
+    res = CliRunner().invoke(app, ["inspect", verl_log], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "trainer_logprob <- old_log_probs" in res.output
+    assert "the one trainer-side column" in " ".join(res.output.split())
+
+
+def test_two_trainer_side_candidates_are_refused(tmp_path):
+    d = pl.read_parquet(GOLDEN).rename(
+        {"trainer_logprob": "old_log_probs", "inference_logprob": "rollout_log_probs"}
+    )
+    d = d.with_columns(old_logprobs=pl.col("old_log_probs"))
+    d.write_parquet(tmp_path / "two.parquet")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "two.parquet")])
+    assert res.exit_code == 1 and "trainer_logprob" in res.output
+
+
+def test_report_data_from_verl_config_follows_its_rules(verl_log):
+    cfg = config_in.read_config(CONFIGS / "verl.yaml")
+    data, dec = analysis.report_data([verl_log], cfg.specs(), 0.005, bootstrap=0)
+    names = {c.spec.partition(":")[0] for c in dec.choose}
+    assert names == {"tis@verl", "token-mis@verl-k1", "seq-max-k2@verl"}
+    assert dec.pair == (
+        "token-mis@verl-k1:low=0.625,high=1.6666666666666667",
+        "seq-max-k2@verl:hi=2.5",
+    )
+    assert not any("ipo" in c.spec or "kpop" in c.spec for c in dec.choose)
+    from mismatch_replay.viz.render import panel_rules, scatter_kwargs
+
+    kw = scatter_kwargs(data)
+    assert kw["ipo_eps"] == () and kw["icepop"] == ()
+    assert [r.spec() for r in kw["extra"]] == [cfg.specs()[1]]  # token-MIS's cone alone
+    assert set(data.by_length["rule"].unique()) == {"token-mis", "seq-max-k2"}
+    assert panel_rules(data.settings, data.given) == ["seq-max-k2", "tis", "token-mis"]
+    # the presets table: exact counts (seq-MIS verl from the replay equals a sweep's)
+    got = data.presets["seq-mis:low=0.5,high=2"]
+    want = analysis.choose([verl_log], None, ["seq-mis:low=0.5,high=2"], bootstrap=0)[0]
+    assert got == want.masked_fraction
+
+
+# ----------------------------------------------------------------------------- --emit
+
+
+def test_emit_a_rejection_question_leaves_the_is_threshold_alone():
+    cfg = config_in.read_config(CONFIGS / "verl.yaml")
+    rows = analysis.choose([GOLDEN], 0.005, ["token-mis@verl-k1"], bootstrap=50)
+    text = config_out.emit("verl", rows, base=cfg)
+    assert "rollout_is" not in text  # neither rollout_is nor rollout_is_threshold
+    assert text.count("rollout_rs_threshold=") == len(rows) == 2
+    for r in rows:  # the written threshold lies in its interval, and is short
+        assert r.ci_low <= r.value <= r.ci_high
+    back = config_in.read_text(text.split("\n\n")[0], "verl", "hydra")
+    (tm,) = [c.rule for c in back.rules if c.rule.name == "token-mis"]
+    assert rows[0].ci_low <= tm.low <= rows[0].ci_high
+    assert len(f"{1 / tm.low:.17g}".rstrip("0")) > len("1.057") and "'0.6_1.05" in text
+    # the TIS block of a config's own question carries no k1 note
+    trows = analysis.choose([GOLDEN], 0.005, ["tis@verl"], bootstrap=50)
+    ttext = config_out.emit("verl", trows, base=cfg)
+    assert "k1" not in ttext and "rollout_rs" not in ttext
+    assert "rollout_is_threshold=1.05\n" in ttext + "\n"
+
+
+def test_rounded_value_is_the_shortest_inside_the_interval():
+    row = {
+        "spec": "tis:cap=1.0495847307869384",
+        "param": "cap",
+        "value": 1.0495847307869384,
+        "ci_low": 1.048,
+        "ci_high": 1.051,
+        "target_fraction": 0.005,
+        "kind": "weight",
+    }
+    text = config_out.emit("verl", [row])
+    assert "rollout_is_threshold=1.05" in text and "1.0495" not in text.split("#   rule")[1]
+
+
+def test_emit_names_what_it_cannot_and_writes_the_rest():
+    text = config_out.emit("verl", ["ipo:eps=0.2", "token-k3@verl:hi=0.002"])
+    assert "not written: verl has no setting that replays rule 'ipo'" in text
+    assert "rollout_rs=token_k3" in text
+    with pytest.raises(UsageError, match="no setting that replays rule 'kpop'"):
+        config_out.emit("verl", ["kpop:phi=0.1"])
+
+
+def test_cli_choose_rejection_only_config(tmp_path):
+    """A verl config that sets only rollout_rs: choose alone, then --emit."""
+    cfg = tmp_path / "rs.yaml"
+    cfg.write_text(
+        "algorithm:\n  rollout_correction:\n    rollout_rs: token_k3\n"
+        "    rollout_rs_threshold: 0.01\n"
+    )
+    res = CliRunner().invoke(
+        app, ["choose", GOLDEN, "--from-config", str(cfg), "-t", "0.005", "--emit", "verl"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "rollout_rs=token_k3" in res.stdout and "rollout_is" not in res.stdout
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def test_given_label():
+    assert given_label("token-mis@verl:low=0.5,high=5", "low") == "token-mis@verl"
+    assert given_label("icepop@verl:low=0.3,high=5") == "icepop@verl [low=0.3]"
+    assert given_label("icepop:low=0.2,high=5", "low") == "icepop [high=5]"
+    k1 = "token-mis@verl-k1:low=0.625,high=1.6666666666666667"
+    assert given_label(k1, "low") == "token-mis@verl-k1"
+    assert budget_side("high") == "its upper bound" and budget_side("low") == "its lower bound"
+
+
+def test_tables_print_the_spec_given():
+    r = CliRunner()
+    env = {"COLUMNS": "160"}
+    out = r.invoke(app, ["sweep", GOLDEN, "-r", "token-mis@verl", "-r", "icepop@verl"], env=env)
+    assert "token-mis@verl " in out.stdout and "icepop@verl " in out.stdout
+    out = r.invoke(
+        app, ["choose", GOLDEN, "-r", "token-mis@verl", "-t", "0.005", "--bootstrap", "0"], env=env
+    )
+    assert out.stdout.count("token-mis@verl ") == 2
+    out = r.invoke(
+        app, ["compare", GOLDEN, "-r", "ipo", "-r", "icepop@prime-rl", "--budget", "0.005"], env=env
+    )
+    flat = " ".join(out.stdout.split())
+    assert "B = icepop@prime-rl with its upper bound high moved to 1.051 (low=0.2 kept)" in flat
+
+
+def test_check_per_step_json_lists_every_violating_step():
+    res = CliRunner().invoke(
+        app,
+        [
+            "check",
+            GOLDEN,
+            "--max",
+            "kl_k3=0.001",
+            "-r",
+            "ipo:eps=0.05",
+            "--max-masked",
+            "0.004",
+            "--per-step",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 3
+    doc = json.loads(res.stdout)
+    d = pl.read_parquet(GOLDEN).filter(pl.col("loss_mask"))
+    lr = (d["trainer_logprob"] - d["inference_logprob"]).to_numpy()
+    k3 = pl.Series(np.exp(lr) - 1 - lr)
+    per = d.with_columns(k3=k3).group_by("step").agg(pl.col("k3").mean()).sort("step")
+    want = [(int(s), v) for s, v in zip(per["step"], per["k3"], strict=True) if v > 0.001]
+    got = doc["verdicts"][0]["violating_steps"]
+    assert [g["step"] for g in got] == [s for s, _ in want]
+    assert all(
+        math.isclose(g["value"], v, rel_tol=1e-9) for g, (_, v) in zip(got, want, strict=True)
+    )
+    assert doc["verdicts"][1]["violating_steps"]  # the rule's too
