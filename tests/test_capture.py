@@ -29,6 +29,7 @@ from mismatch_replay import engine, ingest
 from mismatch_replay.capture import (
     META_KEY,
     CaptureError,
+    CaptureWarning,
     TokenWriter,
     hooks,
     inputs,
@@ -165,7 +166,7 @@ def test_positions_are_column_indices_with_left_padding(tmp_path):
     mask = np.array([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=bool)
     lp = np.full(mask.shape, -0.5)
     with _writer(tmp_path) as w:
-        w.write(3, lp, lp, mask=mask)
+        w.write(3, lp, lp.copy(), mask=mask)
     got = _read(tmp_path)
     assert got["position"].to_list() == [2, 3, 1, 2, 3, 0, 1, 2, 3]
     assert got["sample_id"].to_list() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
@@ -217,7 +218,7 @@ def test_ragged_mask_and_token_advantages(tmp_path):
     mask = [[1, 0, 1], [], [0, 1]]
     adv = [[1.0, 2.0, 3.0], [], [4.0, 5.0]]
     with _writer(tmp_path) as w:
-        w.write(0, lp, lp, mask=mask, advantages=adv)
+        w.write(0, lp, [s[:] for s in lp], mask=mask, advantages=adv)
     got = _read(tmp_path)
     assert got["position"].to_list() == [0, 2, 1]
     assert got["sample_id"].to_list() == [0, 0, 2]
@@ -278,7 +279,7 @@ def test_the_caller_may_change_its_tensors_after_write(tmp_path):
     lp = torch.full((2, 3), -0.5)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with _writer(tmp_path) as w:
-        w.write(0, lp, lp, mask=mask)
+        w.write(0, lp, lp.clone(), mask=mask)
         lp.fill_(-9.0)
         mask.fill_(False)
     got = _read(tmp_path)
@@ -291,16 +292,16 @@ def test_the_caller_may_change_its_tensors_after_write(tmp_path):
 def test_sample_ids_default_to_the_row_index_counted_over_the_step(tmp_path):
     lp = np.full((3, 2), -0.1)
     with _writer(tmp_path / "r0") as w:
-        w.write(0, lp, lp)
-        w.write(0, lp[:2], lp[:2])  # a second micro-batch of step 0 continues the count
-        w.write(1, lp, lp)
+        w.write(0, lp, lp.copy())
+        w.write(0, lp[:2], lp[:2].copy())  # a second micro-batch of step 0 continues the count
+        w.write(1, lp, lp.copy())
     got = _read(tmp_path / "r0")
     assert got.filter(pl.col("step") == 0)["sample_id"].unique().to_list() == [0, 1, 2, 3, 4]
     # the step's small batches went into one row group
     assert pq.ParquetFile(rank_file(tmp_path / "r0", 0, 0)).metadata.num_row_groups == 1
     assert got.filter(pl.col("step") == 1)["sample_id"].unique().to_list() == [0, 1, 2]
-    with _writer(tmp_path / "r1", rank=1, world_size=2) as w:
-        w.write(0, lp, lp)
+    with _writer(tmp_path / "r1", rank=1, world_size=2, run_id="r1") as w:
+        w.write(0, lp, lp.copy())
     sids = pq.read_table(rank_file(tmp_path / "r1", 0, 1))["sample_id"].to_pylist()
     assert sorted(set(sids)) == [10**9, 10**9 + 1, 10**9 + 2]  # ranks never collide
 
@@ -308,24 +309,24 @@ def test_sample_ids_default_to_the_row_index_counted_over_the_step(tmp_path):
 def test_explicit_sample_ids_ints_and_strings(tmp_path):
     lp = np.full((2, 2), -0.1)
     with _writer(tmp_path / "i") as w:
-        w.write(0, lp, lp, sample_ids=[17, 4])
+        w.write(0, lp, lp.copy(), sample_ids=[17, 4])
     with _writer(tmp_path / "s") as w:
-        w.write(0, lp, lp, sample_ids=np.array(["b", "a"], dtype=object), env=["x", "y"])
+        w.write(0, lp, lp.copy(), sample_ids=np.array(["b", "a"], dtype=object), env=["x", "y"])
     assert _read(tmp_path / "i")["sample_id"].to_list() == [4, 4, 17, 17]
     s = _read(tmp_path / "s")
     assert s["sample_id"].to_list() == ["a", "a", "b", "b"]
     assert s["env"].to_list() == ["y", "y", "x", "x"]
     with _writer(tmp_path / "bad") as w, pytest.raises(ValueError, match="one value per sequence"):
-        w.write(0, lp, lp, sample_ids=[1, 2, 3])
+        w.write(0, lp, lp.copy(), sample_ids=[1, 2, 3])
 
 
 def test_columns_must_stay_the_same_over_a_log(tmp_path):
     lp = np.full((2, 2), -0.1)
     with _writer(tmp_path) as w:
-        w.write(0, lp, lp, advantages=[1.0, 2.0])
+        w.write(0, lp, lp.copy(), advantages=[1.0, 2.0])
         with pytest.raises(ValueError, match="needs the same ones"):
-            w.write(1, lp, lp)
-        w.write(1, lp, lp, advantages=[1.0, 2.0])
+            w.write(1, lp, lp.copy())
+        w.write(1, lp, lp.copy(), advantages=[1.0, 2.0])
     assert _read(tmp_path).height == 8
 
 
@@ -337,14 +338,15 @@ def test_every_writes_only_the_multiples_and_commits_on_the_step_change(tmp_path
     w = _writer(tmp_path, every=3)
     try:
         for step in range(7):
-            n = w.write(step, lp, lp)
+            n = w.write(step, lp, lp.copy())
             assert n == (6 if step % 3 == 0 else 0)
             if step == 1:
                 w._queue.join()  # step 0 was handed over for commit when step 1 began
                 assert (step_dir(tmp_path, 0) / "_SUCCESS").exists()
     finally:
         w.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step=0", "step=3", "step=6"]
+    steps = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert steps == ["step=0", "step=3", "step=6"]  # beside the rank's lock file
     assert _read(tmp_path)["step"].unique().sort().to_list() == [0, 3, 6]
 
 
@@ -434,8 +436,8 @@ def test_step_layout_and_the_open_step_is_invisible_to_readers(tmp_path):
     lp = np.full((2, 2), -0.3)
     w = _writer(tmp_path)
     try:
-        w.write(0, lp, lp)
-        w.write(1, lp, lp)
+        w.write(0, lp, lp.copy())
+        w.write(1, lp, lp.copy())
         w._queue.join()  # step 1 is in its temp file, not committed
         assert sorted(os.listdir(step_dir(tmp_path, 0))) == [
             "_SUCCESS",
@@ -447,24 +449,24 @@ def test_step_layout_and_the_open_step_is_invisible_to_readers(tmp_path):
         w.flush()  # commits step 1
         assert _read(tmp_path)["step"].unique().sort().to_list() == [0, 1]
         with pytest.raises(ValueError, match="already committed"):
-            w.write(1, lp, lp)
+            w.write(1, lp, lp.copy())
     finally:
         w.close()
     with pytest.raises(ValueError, match="after close"):
-        w.write(2, lp, lp)
+        w.write(2, lp, lp.copy())
 
 
 def test_commit_hands_the_step_over_without_waiting(tmp_path):
     lp = np.full((2, 2), -0.3)
     w = _writer(tmp_path)
     try:
-        w.write(4, lp, lp)
+        w.write(4, lp, lp.copy())
         w.commit()
         w._queue.join()
         assert (step_dir(tmp_path, 4) / "_SUCCESS").exists()
         with pytest.raises(ValueError, match="already committed"):
-            w.write(4, lp, lp)
-        w.write(5, lp, lp)  # the next step is fine
+            w.write(4, lp, lp.copy())
+        w.write(5, lp, lp.copy())  # the next step is fine
     finally:
         w.close()
     assert _read(tmp_path)["step"].unique().sort().to_list() == [4, 5]
@@ -474,7 +476,7 @@ def test_a_step_without_its_marker_is_skipped_with_a_note(tmp_path):
     lp = np.full((2, 2), -0.3)
     with _writer(tmp_path) as w:
         for step in range(3):
-            w.write(step, lp, lp)
+            w.write(step, lp, lp.copy())
     (step_dir(tmp_path, 1) / "_SUCCESS").unlink()  # as if a rank had not committed yet
     with pytest.warns(ingest.IngestWarning, match=r"skipped 1 captured step.*step=1"):
         got = _read(tmp_path)
@@ -500,16 +502,16 @@ def test_a_step_without_its_marker_is_skipped_with_a_note(tmp_path):
 
 def test_a_step_is_complete_once_every_rank_has_committed(tmp_path):
     lp = np.full((2, 2), -0.3)
-    w0 = _writer(tmp_path, rank=0, world_size=2)
-    w1 = _writer(tmp_path, rank=1, world_size=2)
-    w0.write(0, lp, lp)
+    w0 = _writer(tmp_path, rank=0, world_size=2, run_id="run-a")
+    w1 = _writer(tmp_path, rank=1, world_size=2, run_id="run-a")
+    w0.write(0, lp, lp.copy())
     w0.flush()
     assert (step_dir(tmp_path, 0) / "_SUCCESS.rank=0").exists()
     assert not (step_dir(tmp_path, 0) / "_SUCCESS").exists()
     with pytest.raises(DataError, match="still being written"), warnings.catch_warnings():
         warnings.simplefilter("ignore", ingest.IngestWarning)
         ingest.read_table([tmp_path])
-    w1.write(0, lp, lp)
+    w1.write(0, lp, lp.copy())
     w1.close()
     w0.close()
     assert (step_dir(tmp_path, 0) / "_SUCCESS").exists()
@@ -546,33 +548,84 @@ class _DiskFull(pq.ParquetWriter):  # writing a row group fails
         raise OSError(28, "No space left on device")
 
 
-def test_an_error_on_the_thread_surfaces_on_the_next_write(tmp_path, monkeypatch):
+def test_strict_an_error_on_the_thread_raises_from_the_next_write(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod.pq, "ParquetWriter", _NoSpace)
     lp = np.full((2, 2), -0.3)
-    w = _writer(tmp_path)
-    w.write(0, lp, lp)
+    w = _writer(tmp_path, strict=True)
+    w.write(0, lp, lp.copy())
     w._queue.join()
     with pytest.raises(CaptureError, match="No space left") as e:
-        w.write(0, lp, lp)
+        w.write(0, lp, lp.copy())
     assert isinstance(e.value.__cause__, OSError)
     with pytest.raises(CaptureError, match="failed earlier"):
-        w.write(1, lp, lp)
+        w.write(1, lp, lp.copy())
     w.close()  # already reported: close() does not raise it again
     assert not list(step_dir(tmp_path, 0).iterdir())
 
 
-def test_an_error_on_the_thread_surfaces_on_close(tmp_path, monkeypatch):
+def test_strict_an_error_on_the_thread_raises_from_close(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod.pq, "ParquetWriter", _DiskFull)
-    w = _writer(tmp_path)
+    w = _writer(tmp_path, strict=True)
     w.write(0, np.full((2, 2), -0.3), np.full((2, 2), -0.3))
     with pytest.raises(CaptureError, match="No space left") as e:
         w.close()  # the row group is written at the commit, which fails
     assert isinstance(e.value.__cause__, OSError)
     assert not list(step_dir(tmp_path, 0).iterdir())  # the temp file is gone, no marker
-    with _writer(tmp_path / "flush") as w2:
+    with _writer(tmp_path / "flush", strict=True) as w2:
         w2.write(0, np.full((2, 2), -0.3), np.full((2, 2), -0.3))
         with pytest.raises(CaptureError, match="No space left"):
             w2.flush()
+
+
+class _FailOnStep(pq.ParquetWriter):  # the disk is full while step 1 is written
+    def write_table(self, table, *a, **kw):
+        if table["step"][0].as_py() == 1:
+            raise OSError(28, "No space left on device")
+        return super().write_table(table, *a, **kw)
+
+
+def test_by_default_a_failure_on_the_thread_skips_the_step_and_warns(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_mod.pq, "ParquetWriter", _FailOnStep)
+    lp = np.full((2, 2), -0.3)
+    w = _writer(tmp_path)
+    w.write(0, lp, lp.copy())
+    w.write(1, lp, lp.copy())
+    w.write(1, lp, lp.copy())  # a second micro-batch of the failing step
+    # the failure happens on the thread; flush() waits for it and warns, without raising
+    with pytest.warns(CaptureWarning, match=r"could not write step 1 \(OSError.*No space left"):
+        w.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.write(2, lp, lp.copy())  # the loop goes on: the next step is written
+        w.close()
+    assert w.failed_steps == [(1, "OSError: [Errno 28] No space left on device")]
+    assert not (step_dir(tmp_path, 1) / "_SUCCESS").exists()
+    assert not [p.name for p in step_dir(tmp_path, 1).iterdir()]  # no temp file, no marker
+    got = _read(tmp_path)
+    assert got["step"].unique().sort().to_list() == [0, 2] and got.height == 8
+
+
+def test_a_failure_warns_on_close_when_no_call_follows(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_mod.pq, "ParquetWriter", _DiskFull)
+    w = _writer(tmp_path)
+    w.write(0, np.full((2, 2), -0.3), np.full((2, 2), -0.3))
+    with pytest.warns(CaptureWarning, match="could not write step 0"):
+        w.close()
+    assert not list(step_dir(tmp_path, 0).iterdir())
+
+
+def test_many_failed_steps_are_warned_five_times_then_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_mod.pq, "ParquetWriter", _NoSpace)
+    lp = np.full((2, 2), -0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _writer(tmp_path) as w:
+            for step in range(12):
+                w.write(step, lp, lp.copy())
+                w.flush()
+    said = [str(c.message) for c in caught if issubclass(c.category, CaptureWarning)]
+    assert len(w.failed_steps) == 12
+    assert len(said) == writer_mod.WARN_EACH + 1 and "skipped 12 step(s) in all" in said[-1]
 
 
 def test_a_full_queue_makes_write_wait(tmp_path, monkeypatch):
@@ -586,10 +639,10 @@ def test_a_full_queue_makes_write_wait(tmp_path, monkeypatch):
     monkeypatch.setattr(TokenWriter, "_table", slow_table)
     lp = np.full((2, 2), -0.3)
     w = _writer(tmp_path, max_pending=1)
-    w.write(0, lp, lp)  # taken by the thread, which now waits
+    w.write(0, lp, lp.copy())  # taken by the thread, which now waits
     time.sleep(0.05)
-    w.write(0, lp, lp)  # waits in the queue
-    third = threading.Thread(target=w.write, args=(0, lp, lp))
+    w.write(0, lp, lp.copy())  # waits in the queue
+    third = threading.Thread(target=w.write, args=(0, lp, lp.copy()))
     third.start()
     time.sleep(0.2)
     assert third.is_alive()  # back-pressure: the queue is full
@@ -597,6 +650,209 @@ def test_a_full_queue_makes_write_wait(tmp_path, monkeypatch):
     third.join(10)
     w.close()
     assert _read(tmp_path).height == 12
+
+
+# ----------------------------------------------------------------------------- crashes, close
+
+
+def _micro_batches(w, step, n, rows=64):
+    """n micro-batches of `rows` x 2 tokens of one step."""
+    for _ in range(n):
+        w.write(step, np.full((rows, 2), -0.2), np.full((rows, 2), -0.3))
+
+
+def test_an_exception_inside_with_does_not_publish_the_step_in_flight(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"), _writer(tmp_path) as w:
+        _micro_batches(w, 0, 4)  # a whole step, handed over when step 1 begins
+        _micro_batches(w, 1, 2)  # 2 of 4 micro-batches
+        raise RuntimeError("boom")
+    assert (step_dir(tmp_path, 0) / "_SUCCESS").exists()
+    assert os.listdir(step_dir(tmp_path, 1)) == []  # no _SUCCESS, no rank file, no temp
+    assert _read(tmp_path).height == 4 * 128
+    with pytest.raises(KeyboardInterrupt), _writer(tmp_path / "ctrl-c") as w:
+        _micro_batches(w, 0, 2)
+        raise KeyboardInterrupt
+    assert os.listdir(step_dir(tmp_path / "ctrl-c", 0)) == []
+    with _writer(tmp_path / "exit0") as w:  # a clean exit still commits the last step
+        _micro_batches(w, 0, 2)
+    assert _read(tmp_path / "exit0").height == 2 * 128
+
+
+def test_close_in_a_finally_after_an_exception_drops_the_step_in_flight(tmp_path):
+    w = _writer(tmp_path)
+    with pytest.raises(RuntimeError):
+        try:
+            _micro_batches(w, 0, 2)
+            raise RuntimeError("the optimiser step failed")
+        finally:
+            w.close()  # as the docs' framework snippets do
+    assert os.listdir(step_dir(tmp_path, 0)) == []
+    w = _writer(tmp_path / "forced")
+    with pytest.raises(RuntimeError):
+        try:
+            _micro_batches(w, 0, 2)
+            raise RuntimeError
+        finally:
+            w.close(commit=True)  # committed on purpose
+    assert _read(tmp_path / "forced").height == 2 * 128
+    w = _writer(tmp_path / "abort")
+    _micro_batches(w, 0, 3)
+    w.commit()  # handed over: committed even by abort()
+    _micro_batches(w, 1, 1)
+    w.abort()
+    assert _read(tmp_path / "abort")["step"].unique().to_list() == [0]
+    assert os.listdir(step_dir(tmp_path / "abort", 1)) == []
+
+
+_EXIT_SCRIPT = """
+import sys, numpy as np
+from mismatch_replay.capture import TokenWriter
+w = TokenWriter(sys.argv[1], fsync=False)  # never closed: atexit decides
+for step in range(2):
+    for _ in range(4 if step == 0 else 2):
+        w.write(step, np.full((64, 2), -0.2), np.full((64, 2), -0.3))
+if sys.argv[2] == "crash":
+    raise RuntimeError("the training loop crashed")
+"""
+
+
+def test_without_close_an_uncaught_exception_drops_the_step_a_normal_exit_commits(tmp_path):
+    for how in ("crash", "normal"):
+        root = tmp_path / how
+        out = subprocess.run(
+            [sys.executable, "-c", _EXIT_SCRIPT, str(root), how],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == (1 if how == "crash" else 0), out.stderr
+        assert (step_dir(root, 0) / "_SUCCESS").exists()
+        step1 = sorted(os.listdir(step_dir(root, 1)))
+        if how == "crash":
+            assert step1 == [], step1  # 128 of 256 tokens: not published
+            assert _read(root).height == 4 * 128
+        else:
+            assert "_SUCCESS" in step1
+            assert _read(root).height == 4 * 128 + 2 * 128
+
+
+def test_a_second_close_after_an_interrupted_one_waits_for_the_thread(tmp_path, monkeypatch):
+    release = threading.Event()
+    table = TokenWriter._table
+
+    def slow_table(self, p):
+        release.wait(10)
+        return table(self, p)
+
+    monkeypatch.setattr(TokenWriter, "_table", slow_table)
+    w = _writer(tmp_path)
+    _micro_batches(w, 0, 1)
+    join = w._thread.join
+    calls = []
+
+    def interrupted_join(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while close() waits
+        return join(timeout)
+
+    monkeypatch.setattr(w._thread, "join", interrupted_join)
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    assert w._thread.is_alive()
+    threading.Timer(0.2, release.set).start()
+    w.close()  # waits for the thread again
+    assert len(calls) == 2 and not w._thread.is_alive()
+    assert _read(tmp_path).height == 128
+    w.close()  # done: nothing more to do
+    with pytest.raises(ValueError, match="after close"):
+        _micro_batches(w, 1, 1)
+
+
+# ----------------------------------------------------------------------------- write() checks
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.ones(2, 3, dtype=torch.bool),
+        torch.ones(2, 3, dtype=torch.uint8),
+        torch.zeros(2, 3, dtype=torch.int64),
+        torch.zeros(2, 3, dtype=torch.int32),
+        np.ones((2, 3), dtype=bool),
+        np.ones((2, 3), dtype=np.uint8),
+        np.zeros((2, 3), dtype=np.int64),
+        [[0, -1, 0], [0, 0, -2]],  # ragged Python ints
+    ],
+    ids=["bool", "uint8", "int64", "int32", "np-bool", "np-uint8", "np-int64", "ragged-ints"],
+)
+@pytest.mark.parametrize("which", ["trainer", "inference", "old"])
+def test_write_refuses_non_float_log_probs(tmp_path, bad, which):
+    good = np.full((2, 3), -0.5)
+    args = {"trainer": good, "inference": good.copy(), "old": None}
+    args[which if which != "old" else "old"] = bad
+    with _writer(tmp_path) as w:
+        with pytest.raises(TypeError, match=r"must be floating point.*\.float\(\)"):
+            w.write(0, args["trainer"], args["inference"], old_logprobs=args["old"])
+        w.write(1, good, good.copy())  # the writer is fine afterwards
+    assert _read(tmp_path)["step"].unique().to_list() == [1]
+
+
+def test_write_refuses_bool_or_int_entropy(tmp_path):
+    good = np.full((2, 3), -0.5)
+    with _writer(tmp_path) as w, pytest.raises(TypeError, match="entropy: entropies must be"):
+        w.write(0, good, good.copy(), entropy=np.zeros((2, 3), dtype=bool))
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "match"),
+    [
+        (1.7, ValueError, "not a whole number"),
+        (np.float64(0.5), ValueError, "not a whole number"),
+        (2**63, ValueError, r"outside 0 \.\. 2\*\*63-1"),
+        (-1, ValueError, r"outside 0 \.\. 2\*\*63-1"),
+        (True, TypeError, "a bool"),
+        ("3", TypeError, "expected an integer"),
+        (float("nan"), ValueError, "not a whole number"),
+    ],
+)
+def test_write_refuses_a_step_that_is_not_an_int64_count(tmp_path, step, error, match):
+    lp = np.full((1, 2), -0.5)
+    with _writer(tmp_path) as w, pytest.raises(error, match=match):
+        w.write(step, lp, lp.copy())
+
+
+def test_write_takes_integral_steps_of_any_kind(tmp_path):
+    lp = np.full((1, 2), -0.5)
+    with _writer(tmp_path) as w:
+        for step in (np.int64(0), 1.0, torch.tensor(2), np.uint8(3), 2**63 - 1):
+            w.write(step, lp, lp.copy())
+    steps = _read(tmp_path)["step"].unique().sort().to_list()
+    assert steps == [0, 1, 2, 3, 2**63 - 1]
+
+
+def test_write_refuses_one_tensor_as_both_log_probs(tmp_path):
+    t = torch.full((2, 3), -0.5)
+    a = np.full((2, 3), -0.5)
+    ragged = [[-0.1, -0.2], [-0.3]]
+    with _writer(tmp_path) as w:
+        for x, y in (
+            (t, t),
+            (t, t.view(2, 3)),  # one storage under two names
+            (t.bfloat16(), None),
+            (a, a),
+            (a, a[:, :]),
+            (ragged, ragged),
+            (ragged, list(ragged)),  # the same sequences
+        ):
+            y = x if y is None else y
+            with pytest.raises(ValueError, match=r"the same .*pass a copy \(x\.clone\(\)\)"):
+                w.write(0, x, y)
+        # equal values in separate memory, or different views of one buffer, are fine
+        w.write(0, t, t.clone())
+        w.write(1, a[:, :2], a[:, 1:])
+        w.write(2, ragged, [list(s) for s in ragged])
+    assert _read(tmp_path).height == 6 + 4 + 3
 
 
 # ----------------------------------------------------------------------------- hooks

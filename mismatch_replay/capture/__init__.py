@@ -20,20 +20,30 @@ torch is never imported here; tensors are recognised when the caller has importe
 
 from .writer import (
     META_KEY,
+    RUN_ID_ENV,
     TRAINER_LOGPROB_KINDS,
     CaptureError,
+    CaptureWarning,
+    RankInUseError,
     TokenWriter,
+    lock_file,
     rank_file,
+    rank_marker,
     read_meta,
     step_dir,
 )
 
 __all__ = [
     "META_KEY",
+    "RUN_ID_ENV",
     "TRAINER_LOGPROB_KINDS",
     "CaptureError",
+    "CaptureWarning",
+    "RankInUseError",
     "TokenWriter",
+    "lock_file",
     "rank_file",
+    "rank_marker",
     "read_meta",
     "step_dir",
 ]

@@ -35,6 +35,7 @@ what the readers compute in), so no value changes and the file is half the size 
 
 from __future__ import annotations
 
+import operator
 import sys
 from dataclasses import dataclass, field
 
@@ -45,6 +46,10 @@ import numpy as np
 SAMPLE_ID_STRIDE = 10**9
 
 TOKEN_COLUMNS = ("trainer_logprob", "inference_logprob", "advantage", "old_logprob", "entropy")
+# columns that must arrive as floating point: a bool, uint8 or integer tensor there is a mask or
+# token ids passed by mistake (bool would be written as 1.0, a log-prob no token has)
+FLOAT_COLUMNS = ("trainer_logprob", "inference_logprob", "old_logprob", "entropy")
+STEP_MAX = 2**63 - 1  # the step column is int64
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,95 @@ class Prepared:
         if self.env is not None or "env" in self.per_row:
             cols.append("env")
         return tuple(cols)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_step(step) -> int:
+    """The step as an int, or a clear error: a bool, a fraction (1.7 would be written as
+    step 1), a negative step or one beyond int64 (the thread could not write it)."""
+    if type(step) is int and 0 <= step <= STEP_MAX:  # the fast path
+        return step
+    if isinstance(step, bool):
+        raise TypeError(f"step={step!r}: a bool; pass the trainer's integer step counter")
+    if isinstance(step, str | bytes):
+        raise TypeError(
+            f"step={step!r}: expected an integer (the trainer's step counter), got a string"
+        )
+    try:
+        value = operator.index(step)  # int, numpy integer, 0-d integer tensor
+    except TypeError:
+        try:
+            f = float(step)  # a float, numpy float, 0-d float tensor
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"step={step!r}: expected an integer (the trainer's step counter), got "
+                f"{type(step).__name__}"
+            ) from None
+        if not f.is_integer():
+            raise ValueError(
+                f"step={step!r}: not a whole number; pass the trainer's integer step "
+                "(int(step) only if the float really counts steps)"
+            ) from None
+        value = int(f)
+    if not 0 <= value <= STEP_MAX:
+        raise ValueError(
+            f"step={value}: outside 0 .. 2**63-1 (the step column is int64, and steps count "
+            "from 0); pass the trainer's step counter"
+        )
+    return value
+
+
+def same_values(a, b) -> bool:
+    """The same values in memory (one tensor or array under two names, or a ragged list of
+    the same sequences): nothing to compare."""
+    if a is b:
+        return True
+    if is_tensor(a) and is_tensor(b):
+        return (
+            a.device == b.device
+            and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+        )
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.strides == b.strides
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        )
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        # ragged: the same sequences (the first pair decides cheaply when they differ)
+        return (
+            len(a) == len(b)
+            and len(a) > 0
+            and _same_sequence(a[0], b[0])
+            and all(_same_sequence(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return False
+
+
+def _same_sequence(x, y) -> bool:
+    """One ragged sequence object, or one tensor/array's memory (a list of Python floats
+    copied is not the same memory)."""
+    if x is y:
+        return True
+    return (is_tensor(x) or isinstance(x, np.ndarray)) and same_values(x, y)
+
+
+def _check_floats(tokens: dict[str, Column]) -> None:
+    for name in FLOAT_COLUMNS:
+        a = tokens.get(name)
+        if a is None or isinstance(a, Bits16) or a.dtype.kind == "f":
+            continue
+        what = "log-probs" if name != "entropy" else "entropies"
+        raise TypeError(
+            f"{_arg(name)}: {what} must be floating point, got {a.dtype} (a mask or token ids "
+            "passed by mistake?); pass the per-token values as bf16, fp16, fp32 or fp64 "
+            "(x.float() for a tensor, np.asarray(x, dtype=np.float32) for an array)"
+        )
 
 
 # ----------------------------------------------------------------------------- kinds of input
@@ -266,6 +360,7 @@ def _arg(col: str) -> str:
 def _finish(
     step, tokens, index, rows, keep, per_row, sample_ids, env, sample_base, seen_rows, seen
 ) -> Prepared:
+    _check_floats(tokens)
     if sample_ids is not None:
         ids = _per_row(sample_ids, seen_rows, "sample_ids")
         per_row["sample_id"] = ids if keep is None else ids[keep]

@@ -16,13 +16,46 @@ step that a reader would take for a whole one. So the writer splits the work in 
 **Atomic commit, per step and rank.** Rows of step N go to `step=N/.rank=R.parquet.tmp` (a
 dot name, which every reader skips); when the loop moves on to another step (or on `commit()`,
 `flush()`, `close()`), the file is closed, fsync'ed and renamed to `step=N/rank=R.parquet`, and
-the rank's marker `step=N/_SUCCESS.rank=R` is written. The rank that finds every rank's marker
-present (`world_size` of them) writes `step=N/_SUCCESS`. A rename is atomic, so a reader sees
-either no file or a whole one; the readers (`io`) read a step directory only once it holds
-`_SUCCESS`, and skip the others with a note. Several write() calls for one step (micro-batches,
-TRL's generation batches) append to the same file; a step already committed by this writer
-cannot be written again (ValueError). A step rewritten by a later run (a resume) first loses
-its `_SUCCESS` and this rank's marker, then is committed again.
+the rank's marker `step=N/_SUCCESS.rank=R` is written (JSON: run id, world size, step, counts).
+The rank that then finds every rank's marker of *this run* (`world_size` of them, each with
+this run's id and world size) publishes `step=N/_SUCCESS` (run id, world size, step). Several
+ranks may find them at once (ranks in lockstep commit together): each writes its own
+temporary (`._SUCCESS.<host>-<pid>-<rank>.tmp`) and hard-links it to `_SUCCESS`; "already
+there, same run" counts as done, so publishing is idempotent and never fails a rank (a
+filesystem without hard links gets an atomic rename of the rank's own temporary). A rename
+is atomic, so a reader sees either no file or a whole one; the readers (`ingest.sources`)
+read a step directory only once it holds `_SUCCESS`, and then only the rank files that
+`_SUCCESS`'s run committed (ranks below its world size whose markers carry its run id): the
+files of an earlier run in the same directory (a larger world size, a resume) are left out
+with a note. Several write() calls for one step (micro-batches, TRL's generation batches)
+append to the same file; a step already committed by this writer cannot be written again
+(ValueError). A step rewritten by a later run (a resume) first loses its `_SUCCESS` and this
+rank's marker, then is committed again once every rank of the new run has committed it: an
+old marker of another rank never completes it.
+
+**Run id.** All ranks of one run must record the same id, and a rerun a new one, without
+talking to each other: `run_id=` (pass one value on every rank, e.g. the job id and its
+restart count), else the environment variable MISMATCH_REPLAY_RUN_ID, else torchrun's
+`TORCHELASTIC_RUN_ID` with `TORCHELASTIC_RESTART_COUNT` (a fresh uuid per single-node launch,
+the `--rdzv-id` of a multi-node one; its default "none" is not taken), else for one rank a
+fresh uuid. Several ranks with none of these get no run id, and a warning: the world size
+still tells runs apart, a rerun with the same one does not. (A rendezvous through the
+directory, rank 0 writing the id for the others to read, cannot tell a fresh file from the
+last run's without an id shared beforehand, so it is not attempted.)
+
+**One writer per rank.** `root/.rank=R.lock` is held with `flock` for the writer's life (the
+kernel drops it when the process dies, however it dies) and holds the writer's pid and host.
+A second live writer of the same rank in the same directory, in this process or another,
+is refused at construction (CaptureError naming the directory, rank and pid: a forgotten
+`rank=`). A lock file left by a writer that did not close (killed) is taken over, with a
+note on stderr. Where flock is not supported the pid is checked instead (alive on this host:
+refused).
+
+**A crash does not publish the step in flight.** An exception out of `with TokenWriter(...)`,
+`close()` while an exception is propagating (`finally:`), and an exit on an uncaught
+exception without close() (atexit) drop the step being written: its temporary is deleted,
+no marker is written. Steps handed over before (the loop moved on, `commit()`, `flush()`)
+are committed. `close(commit=True)` commits anyway, `abort()` drops it on purpose.
 
 **Memory bound (back-pressure).** The queue holds at most `max_pending` batches (default 4);
 a write() that finds it full waits for the thread. A pending batch holds the selected values
@@ -34,10 +67,14 @@ rows): ~36 bytes a token as Arrow columns (52 with float64 values), at most ~2M 
 1M-token steps that is ~(4 + 1) x 13 MB + 2 x 40 MB ~ 150 MB of host memory at most,
 whatever the length of the run.
 
-**Errors on the thread are not lost.** The first exception there (disk full, permissions ...)
-is kept; the next `write()`, `commit()`, `flush()` or `close()` raises `CaptureError` from
-it. The thread
-then discards what it is given, so the loop never blocks on a dead writer.
+**A failure on the thread skips a step, never the training loop.** An exception there (disk
+full, permissions, a lost mount ...) drops the step it happened in (its temporary deleted, no
+marker: the step stays unpublished on every rank, and the readers leave it out with a note),
+and the next `write()`, `commit()`, `flush()` or `close()` on the loop's thread warns
+(`CaptureWarning`, naming the step and the cause); the thread goes on with the next step.
+`failed_steps` lists them. With `strict=True` the first failure is kept and raised instead, as
+`CaptureError` from the next call, and the thread discards what it is given afterwards (the
+loop never blocks on a dead writer).
 
 **Sampling.** `every=k` writes the steps divisible by k; `max_tokens_per_step` caps the loss
 tokens a rank writes per step, keeping whole sequences (sequence rules need all of a
@@ -57,10 +94,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
+import logging
 import os
 import queue
+import re
+import socket
+import sys
 import threading
+import time
+import uuid
+import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -73,9 +119,18 @@ from ..ingest import COMMIT_MARKER
 from . import inputs
 from .inputs import SAMPLE_ID_STRIDE, Prepared
 
+try:
+    import fcntl
+except ImportError:  # not on POSIX: the pid check alone
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
 META_KEY = "mismatch_replay.capture"
 STEP_META_KEY = "mismatch_replay.capture.step"
 TRAINER_LOGPROB_KINDS = ("current", "old", "proximal")
+RUN_ID_ENV = "MISMATCH_REPLAY_RUN_ID"
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 # framework name in meta -> its distribution name, for the version lookup
 FRAMEWORK_PACKAGES = {
     "verl": "verl",
@@ -86,10 +141,22 @@ FRAMEWORK_PACKAGES = {
     "slime": "slime",
 }
 ROW_GROUP_ROWS = 1 << 20
+WARN_EACH = 5  # failed steps warned one by one; the rest are counted (close() says how many)
+_HOST = socket.gethostname()
 
 
 class CaptureError(RuntimeError):
-    """The background writer failed; the cause is chained (`__cause__`)."""
+    """The background writer failed (strict=True; the cause is chained, `__cause__`), or a
+    writer cannot start (another live writer holds the rank)."""
+
+
+class RankInUseError(CaptureError):
+    """Another live TokenWriter writes the same rank into the same directory."""
+
+
+class CaptureWarning(RuntimeWarning):
+    """A step could not be written (it is skipped; the training loop goes on), or the
+    writer's setup is fragile (no run id with several ranks)."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -100,6 +167,14 @@ def rank_file(root: str | Path, step: int, rank: int) -> Path:
     return step_dir(root, step) / f"rank={rank}.parquet"
 
 
+def rank_marker(root: str | Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"{COMMIT_MARKER}.rank={rank}"
+
+
+def lock_file(root: str | Path, rank: int) -> Path:
+    return Path(root) / f".rank={rank}.lock"
+
+
 def read_meta(path: str | Path) -> dict:
     """The capture metadata of a file written by TokenWriter (with the step's counts under
     "step_counts"); {} for other Parquet files."""
@@ -108,6 +183,19 @@ def read_meta(path: str | Path) -> dict:
     if STEP_META_KEY.encode() in kv:
         out["step_counts"] = json.loads(kv[STEP_META_KEY.encode()])
     return out
+
+
+def default_run_id(world_size: int) -> str | None:
+    """The run id when none is given (see "Run id" in the module docstring)."""
+    env = os.environ
+    if env.get(RUN_ID_ENV):
+        return env[RUN_ID_ENV]
+    elastic = env.get("TORCHELASTIC_RUN_ID", "")
+    if elastic and elastic.lower() != "none":
+        return f"torchelastic-{elastic}-r{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if world_size == 1:
+        return uuid.uuid4().hex
+    return None
 
 
 def _framework_version(name: str | None) -> str | None:
@@ -142,24 +230,96 @@ def _fsync_file(p: Path) -> None:
         os.close(fd)
 
 
-def _write_marker(path: Path, payload: dict, fsync: bool) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
+def read_json(path: Path) -> dict | None:
+    """A marker's JSON, None when it is missing or not a JSON object (an empty `_SUCCESS`)."""
+    try:
+        with open(path, "rb") as f:
+            out = json.loads(f.read() or b"null")
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _temp_twin(path: Path, tag: str) -> Path:
+    """A temporary beside `path` that no other rank or process uses: a dot name (readers skip
+    it), with the host, pid and `tag`."""
+    return path.with_name(f".{path.name}.{_HOST}-{os.getpid()}-{tag}.tmp")
+
+
+def _write_temp(tmp: Path, payload: dict, fsync: bool) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+
+
+def _write_marker(path: Path, payload: dict, fsync: bool, tag: str) -> None:
+    """A marker that one writer owns (its rank's), replaced atomically."""
+    tmp = _temp_twin(path, tag)
+    _write_temp(tmp, payload, fsync)
     os.replace(tmp, path)
 
 
+_NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
+
+
+def _publish(path: Path, payload: dict, fsync: bool, tag: str) -> None:
+    """A marker that several ranks may publish at once (the step's `_SUCCESS`): each links its
+    own temporary to it; one already there for the same run counts as published."""
+    tmp = _temp_twin(path, tag)
+    _write_temp(tmp, payload, fsync)
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            have = read_json(path) or {}
+            if any(have.get(k) != payload[k] for k in ("run_id", "world_size", "step")):
+                os.replace(tmp, path)  # an earlier run's marker that survived: this run's wins
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+            os.replace(tmp, path)  # no hard links here: the rank's own temporary, renamed
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def _clean_exit(exc: BaseException | None) -> bool:
+    """No exception, or sys.exit(0): the step in flight is committed."""
+    return exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None))
+
+
 _CLOSE = object()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # writers whose lock a forked child must not keep
+
+
+def _after_fork_in_child() -> None:
+    for w in list(_LIVE):
+        w._forget_lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TokenWriter:
     """Write the canonical token table from a training loop (see the module docstring).
 
     ```python
-    writer = TokenWriter("runs/exp1/tokens", rank=rank, world_size=world,
+    writer = TokenWriter("runs/exp1/tokens", rank=rank, world_size=world, run_id=job_id,
                          meta={"trainer_logprob": "old", "framework": "verl"})
     writer.write(step=step, trainer_logprobs=old_lp, inference_logprobs=rollout_lp,
                  mask=response_mask, advantages=adv)
@@ -168,7 +328,12 @@ class TokenWriter:
 
     root: the directory of the log (`step=N/rank=R.parquet` under it).
     rank, world_size: this process's rank among the processes writing the same log; a step
-      is complete (`_SUCCESS`) once `world_size` ranks have committed it.
+      is complete (`_SUCCESS`) once `world_size` ranks of this run have committed it. One
+      live writer per rank and directory (`.rank=R.lock`).
+    run_id: one string shared by every rank of this run and new for each run (a job id and
+      its restart count); default: MISMATCH_REPLAY_RUN_ID, torchrun's run id and restart
+      count, or (one rank) a fresh uuid. Recorded in the markers and the files; the readers
+      read a step only from the files of the run that committed it.
     meta: recorded in every file: `trainer_logprob` ("current", "old" or "proximal"),
       `temperature`, `top_p`, `framework`, `framework_version` (looked up from the installed
       package when not given), and any other JSON-serialisable keys.
@@ -179,6 +344,8 @@ class TokenWriter:
     compression: the Parquet codec (zstd: ~5.5 bytes a token on disk, lz4/snappy faster,
       larger).
     fsync: fsync each file and marker before it counts as written (off only for scratch).
+    strict: a failure on the writer's thread raises CaptureError from the next call (default
+      False: the step is skipped with a CaptureWarning and the training loop goes on).
     """
 
     def __init__(
@@ -188,12 +355,14 @@ class TokenWriter:
         rank: int = 0,
         world_size: int = 1,
         meta: Mapping | None = None,
+        run_id: str | None = None,
         every: int = 1,
         max_tokens_per_step: int | None = None,
         seed: int = 0,
         max_pending: int = 4,
         compression: str = "zstd",
         fsync: bool = True,
+        strict: bool = False,
     ):
         rank, world_size, every = int(rank), int(world_size), int(every)
         if world_size < 1 or not 0 <= rank < world_size:
@@ -207,6 +376,23 @@ class TokenWriter:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step}: must be >= 1")
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending}: must be >= 1")
+        if run_id is None:
+            run_id = default_run_id(world_size)
+            if run_id is None:
+                warnings.warn(
+                    f"TokenWriter({root}, rank={rank}, world_size={world_size}): no run id. "
+                    "Pass run_id= (one value on every rank, new for each run: e.g. the job id "
+                    f"and restart count) or set {RUN_ID_ENV}; without it a rerun in this "
+                    "directory with the same world size can complete a step with this run's "
+                    "files and its own.",
+                    CaptureWarning,
+                    stacklevel=2,
+                )
+        elif not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+            raise ValueError(
+                f"run_id={run_id!r}: 1-128 characters of letters, digits and ._:@+=- "
+                "(starting with a letter or digit); pass the same string on every rank"
+            )
         meta = dict(meta or {})
         kind = meta.get("trainer_logprob")
         if kind is not None and kind not in TRAINER_LOGPROB_KINDS:
@@ -223,11 +409,13 @@ class TokenWriter:
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
+        self.run_id = run_id
         self.every = every
         self.max_tokens_per_step = None if max_tokens_per_step is None else int(max_tokens_per_step)
         self.seed = int(seed)
         self.compression = compression
         self.fsync = fsync
+        self.strict = bool(strict)
         self.meta = {
             "trainer_logprob": None,
             "temperature": None,
@@ -237,6 +425,7 @@ class TokenWriter:
             **meta,
             "rank": rank,
             "world_size": world_size,
+            "run_id": run_id,
             "every": every,
             "max_tokens_per_step": self.max_tokens_per_step,
             "seed": self.seed,
@@ -244,6 +433,9 @@ class TokenWriter:
         }
         json.dumps(self.meta)  # fail here, not on the thread, if meta is not serialisable
         self.root.mkdir(parents=True, exist_ok=True)
+        self._pid = os.getpid()  # a forked child inherits the object, not the thread
+        self._lock_fd: int | None = None
+        self._take_lock()
         # caller side
         self._step: int | None = None  # the step write() is filling
         self._done: set[int] = set()  # steps handed over for commit
@@ -253,10 +445,15 @@ class TokenWriter:
         self._signature: tuple | None = None  # columns, fixed by the first batch
         self._widths: dict[str, np.dtype] = {}  # float width per column in the current step
         self._closed = False
+        self._close_sent = False  # _CLOSE is queued (a close() interrupted in its join)
         self._reported = False
-        self._pid = os.getpid()  # a forked child inherits the object, not the thread
+        self._summarised = False  # close() said how many steps failed
+        self._last_exc = getattr(sys, "last_value", None)  # an uncaught one before us
+        self.failed_steps: list[tuple[int, str]] = []  # (step, cause), strict=False
         # the thread's side
         self._error: BaseException | None = None
+        self._failures: list[tuple[int, BaseException]] = []  # appended by the thread
+        self._skip: int | None = None  # a failed step whose later batches are dropped
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._file: pq.ParquetWriter | None = None
         self._file_step: int | None = None
@@ -269,6 +466,95 @@ class TokenWriter:
         )
         self._thread.start()
         atexit.register(self._close_at_exit)
+
+    # ------------------------------------------------------------------ the rank's lock
+
+    def _take_lock(self) -> None:
+        path = lock_file(self.root, self.rank)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            held = self._flock(fd)
+            prev = _lock_holder(fd)
+            if held is None:  # flock is not supported here: the pid in the file decides
+                pid, host = prev.get("pid"), prev.get("host")
+                if pid is None:
+                    held = True  # released cleanly, or new
+                elif host != _HOST:
+                    held = True  # cannot check another host's pid: taken over, with a note
+                else:
+                    held = pid != self._pid and not _pid_alive(int(pid))
+            if not held:
+                raise RankInUseError(self._in_use(path, prev))
+            if prev.get("pid") is not None:
+                log.warning(
+                    "%s: took over the lock of rank %d left by pid %s on %s (started %s), "
+                    "which did not close its writer (killed or crashed)",
+                    path,
+                    self.rank,
+                    prev.get("pid"),
+                    prev.get("host"),
+                    prev.get("started"),
+                )
+            mine = {
+                "pid": self._pid,
+                "host": _HOST,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "run_id": self.run_id,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(mine).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        _LIVE.add(self)
+
+    @staticmethod
+    def _flock(fd: int) -> bool | None:
+        """True: locked; False: another open file holds it; None: flock unsupported."""
+        if fcntl is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            return None
+        return True
+
+    def _in_use(self, path: Path, holder: dict) -> str:
+        who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+        if holder.get("pid") == self._pid and holder.get("host") == _HOST:
+            who += " (this process: an earlier TokenWriter not closed)"
+        return (
+            f"{self.root}: rank {self.rank} is already being written by another TokenWriter "
+            f"({who}, run {holder.get('run_id')}, since {holder.get('started', '?')}); two "
+            "writers of one rank overwrite each other's files. Give each process its own "
+            "rank= (its data-parallel rank) and world_size=, or close() the other writer "
+            f"first. If no such process runs, delete {path}."
+        )
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        _LIVE.discard(self)
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # an empty lock file: released cleanly, nothing to report
+        with contextlib.suppress(OSError):
+            os.close(fd)  # drops the flock
+
+    def _forget_lock(self) -> None:
+        """In a forked child: close the inherited descriptor without touching the lock (the
+        parent still holds it through its own)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -295,9 +581,14 @@ class TokenWriter:
         string or B strings. old_logprobs, entropy: optional per-token columns.
         Returns once the loss tokens are copied: the inputs may be reused at once."""
         self._check("write")
-        step = int(step)
-        if step < 0:
-            raise ValueError(f"step={step}: must be >= 0")
+        step = inputs.check_step(step)
+        if inputs.same_values(trainer_logprobs, inference_logprobs):
+            raise ValueError(
+                f"step {step}: trainer_logprobs and inference_logprobs are the same "
+                f"{type(trainer_logprobs).__name__} (one object, or one storage): every ratio "
+                "would be 1, nothing to compare. Pass the trainer's log-probs and the "
+                "sampler's; to log equal values on purpose, pass a copy (x.clone())."
+            )
         if step != self._step:
             if step in self._done:
                 raise ValueError(
@@ -353,49 +644,95 @@ class TokenWriter:
         self._queue.join()
         self._check("flush")
 
-    def close(self) -> None:
-        """Commit the last step, stop the thread; raises CaptureError if the thread failed
-        (unless a write() already raised it). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self._close_at_exit)
+    def close(self, commit: bool | None = None) -> None:
+        """Commit the last step, stop the thread, release the rank's lock. commit=None (the
+        default): commit unless an exception is propagating (close() in a `finally:` or an
+        `except:` of a failed step), which drops the step in flight instead; True / False
+        decide. Raises CaptureError if the thread failed with strict=True (unless a call
+        already raised it); warns of the steps it skipped otherwise. Calling it again
+        waits for the thread again if the first call was interrupted (Ctrl-C in its
+        join); once it is done, it does nothing."""
         if os.getpid() != self._pid:
+            self._closed = True
             return  # the parent's writer: its thread and files are the parent's
-        if self._step is not None:
-            self._done.add(self._step)
-            self._queue.put(("commit", self._step))
-            self._step = None
-        self._queue.put(_CLOSE)
+        if commit is None:
+            commit = _clean_exit(sys.exc_info()[1])
+        self._closed = True
+        if not self._close_sent:
+            atexit.unregister(self._close_at_exit)
+            if self._step is not None:
+                if commit:
+                    self._done.add(self._step)
+                self._put(("commit" if commit else "drop", self._step))
+                self._step = None
+            self._put(_CLOSE)
+            self._close_sent = True
         self._thread.join()
+        self._release_lock()
+        self._report_failures(stacklevel=3)
+        if len(self.failed_steps) > WARN_EACH and not self._summarised:
+            self._summarised = True
+            last = self.failed_steps[-1]
+            warnings.warn(
+                f"{self.root}: rank {self.rank} skipped {len(self.failed_steps)} step(s) in "
+                f"all; the last, step {last[0]}: {last[1]}",
+                CaptureWarning,
+                stacklevel=2,
+            )
         if self._error is not None and not self._reported:
             self._reported = True
             raise CaptureError(
                 f"{self.root}: the background writer failed: {self._error}"
             ) from self._error
 
+    def abort(self) -> None:
+        """Stop without committing the step being written (steps handed over before are
+        committed); what `with` does on an exception."""
+        self.close(commit=False)
+
     def __enter__(self) -> TokenWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(commit=_clean_exit(exc))
 
     def _close_at_exit(self) -> None:
+        last = getattr(sys, "last_value", None)  # set when the process ends on an exception
+        crashed = last is not None and last is not self._last_exc
         try:
-            self.close()
+            self.close(commit=not crashed or _clean_exit(last))
         except CaptureError as e:  # at exit there is no caller left to raise to
-            import warnings
-
-            warnings.warn(str(e), RuntimeWarning, stacklevel=1)
+            warnings.warn(str(e), CaptureWarning, stacklevel=1)
 
     def _check(self, what: str) -> None:
         if self._closed:
             raise ValueError(f"TokenWriter({self.root}): {what}() after close()")
+        if self._failures:
+            self._report_failures(stacklevel=4)
         if self._error is not None:
             first = not self._reported
             self._reported = True
             msg = "the background writer failed" if first else "the writer failed earlier"
             raise CaptureError(f"{self.root}: {msg}: {self._error}") from self._error
+
+    def _report_failures(self, stacklevel: int) -> None:
+        """Warn (on the caller's thread) of the steps the thread skipped since last time."""
+        while self._failures:
+            step, exc = self._failures.pop(0)
+            cause = f"{type(exc).__name__}: {exc}"
+            self.failed_steps.append((step, cause))
+            if len(self.failed_steps) > WARN_EACH:
+                continue  # counted; close() says how many
+            more = ""
+            if len(self.failed_steps) == WARN_EACH:
+                more = " Later failed steps are counted, not warned (failed_steps lists them)."
+            warnings.warn(
+                f"{self.root}: rank {self.rank} could not write step {step} ({cause}); the "
+                "step is skipped (not published: readers leave it out) and the training loop "
+                "goes on. Pass strict=True to raise CaptureError instead." + more,
+                CaptureWarning,
+                stacklevel=stacklevel,
+            )
 
     def _end_step(self) -> None:
         if self._step is not None:
@@ -404,7 +741,15 @@ class TokenWriter:
             self._step = None
 
     def _put(self, item) -> None:
-        self._queue.put(item)  # blocks while max_pending batches wait: the memory bound
+        """Blocks while max_pending batches wait (the memory bound); never on a stopped
+        thread."""
+        while True:
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    return
 
     def _check_signature(self, prep: Prepared, sample_ids) -> None:
         """Every file of a log has the same columns (the readers refuse a mix), and within a
@@ -441,21 +786,37 @@ class TokenWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            step = None
             try:
                 if item is _CLOSE:
                     if self._error is None:
+                        step = self._file_step
                         self._commit()
                     return
                 if self._error is not None:
-                    continue  # a failed writer discards what it is given
-                if isinstance(item, tuple):  # ("commit", step)
-                    if self._file_step == item[1]:
-                        self._commit()
+                    continue  # a failed strict writer discards what it is given
+                if isinstance(item, tuple):  # ("commit" | "drop", step)
+                    kind, step = item
+                    if self._file_step == step:
+                        if kind == "commit":
+                            self._commit()
+                        else:
+                            self._abort()
+                    if self._skip == step:
+                        self._skip = None  # the failed step is over
                     continue
+                step = item.step
+                if self._skip == step:
+                    continue  # the rest of a failed step
+                self._skip = None
                 self._append(item)
             except BaseException as exc:  # kept for the caller, never lost
-                self._error = exc
                 self._abort()
+                if self.strict:
+                    self._error = exc
+                else:
+                    self._failures.append((step, exc))
+                    self._skip = step
             finally:
                 self._queue.task_done()
 
@@ -517,25 +878,27 @@ class TokenWriter:
     def _open(self, step: int, schema: pa.Schema) -> None:
         d = step_dir(self.root, step)
         d.mkdir(parents=True, exist_ok=True)
-        for stale in (d / COMMIT_MARKER, d / f"{COMMIT_MARKER}.rank={self.rank}"):
-            stale.unlink(missing_ok=True)  # a step rewritten after a resume is not complete
+        # a step rewritten after a resume is not complete: its _SUCCESS goes first, then this
+        # rank's marker, before this rank's file is replaced
+        for stale in (d / COMMIT_MARKER, rank_marker(self.root, step, self.rank)):
+            stale.unlink(missing_ok=True)
         meta = {**self.meta, "step": step}
         self._schema = schema.with_metadata({META_KEY: json.dumps(meta)})
         self._tmp = d / f".rank={self.rank}.parquet.tmp"
+        self._file_step = step  # before the file exists: a failure here names the step
         self._file = pq.ParquetWriter(
             self._tmp,
             self._schema,
             compression=self.compression,
             use_dictionary=[c for c in ("step", "sample_id", "env") if c in schema.names],
         )
-        self._file_step = step
         self._counts = dict.fromkeys(
             ("calls", "sequences_seen", "sequences_written", "tokens_seen", "tokens_written"), 0
         )
 
     def _commit(self) -> None:
-        """Close, fsync and rename the open step's file; write the rank's marker, and the
-        step's marker when every rank's is there."""
+        """Close, fsync and rename the open step's file; write the rank's marker, and publish
+        the step's marker when every rank of this run has committed the step."""
         if self._file is None:
             return
         step, d = self._file_step, step_dir(self.root, self._file_step)
@@ -543,32 +906,58 @@ class TokenWriter:
         self._file.add_key_value_metadata({STEP_META_KEY: json.dumps(self._counts)})
         self._file.close()
         self._file = None
-        self._file_step = None
         final = rank_file(self.root, step, self.rank)
         if self.fsync:
             _fsync_file(self._tmp)
         os.replace(self._tmp, final)
+        self._file_step = None
         if self.fsync:
             _fsync_dir(d)
-        _write_marker(d / f"{COMMIT_MARKER}.rank={self.rank}", self._counts, self.fsync)
-        ranks = [d / f"{COMMIT_MARKER}.rank={r}" for r in range(self.world_size)]
-        if all(m.exists() for m in ranks):
-            _write_marker(
-                d / COMMIT_MARKER, {"step": step, "world_size": self.world_size}, self.fsync
-            )
+        mine = {"run_id": self.run_id, "world_size": self.world_size, "step": step}
+        tag = f"rank{self.rank}"
+        _write_marker(
+            rank_marker(self.root, step, self.rank),
+            {**mine, "rank": self.rank, **self._counts},
+            self.fsync,
+            tag,
+        )
+        if self._all_committed(step, mine):
+            _publish(d / COMMIT_MARKER, mine, self.fsync, tag)
         if self.fsync:
             _fsync_dir(d)
 
+    def _all_committed(self, step: int, mine: dict) -> bool:
+        """Every rank's marker of this step is there, from this run (run id, world size)."""
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            m = read_json(rank_marker(self.root, step, r))
+            if m is None or any(m.get(k) != v for k, v in mine.items()):
+                return False
+        return True
+
     def _abort(self) -> None:
-        """After an error: drop the open step's file (its temp name is never read)."""
+        """After an error, or a step dropped: delete the open step's temporary (its temp name
+        is never read); no marker is written."""
         f, self._file = self._file, None
-        self._file_step = None
+        step, self._file_step = self._file_step, None
         self._held, self._held_rows = [], 0
         if f is not None:
             with contextlib.suppress(Exception):
                 f.close()
+        if step is not None:
             with contextlib.suppress(OSError):
                 self._tmp.unlink(missing_ok=True)
+
+
+def _lock_holder(fd: int) -> dict:
+    """What a lock file says of its writer ({} when empty: released cleanly)."""
+    try:
+        raw = os.pread(fd, 4096, 0)
+        out = json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def _tokens(p: Prepared) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import glob as _glob
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -220,30 +221,69 @@ def _walk(d: Path, forced: str | None, notes: list[str]) -> tuple[list[Path], st
 def _committed_only(
     source: str, files: list[Path], options: ReadOptions, notes: list[str]
 ) -> list[Path]:
-    """capture.TokenWriter commits a step directory `step=N/` by writing COMMIT_MARKER into it
-    once every rank's `rank=R.parquet` is in; until then the step is still being written and
-    its files are left out, with a note (read anyway with `include_unstable`)."""
-    pending = sorted(
-        {
-            f.parent
-            for f in files
-            if CAPTURE_FILE.fullmatch(f.name)
-            and CAPTURE_DIR.fullmatch(f.parent.name)
-            and not (f.parent / COMMIT_MARKER).exists()
-        },
-        key=natural_key,
-    )
-    if not pending:
+    """capture.TokenWriter commits a step directory `step=N/` by publishing COMMIT_MARKER into
+    it once every rank of one run has committed its `rank=R.parquet`; until then the step is
+    still being written and its files are left out, with a note (read anyway with
+    `include_unstable`). Of a committed step only the files of the run that published the
+    marker are read (`_current`): a directory rewritten by a rerun may still hold another
+    run's files (ranks beyond the new world size, a rank that has not rewritten the step);
+    those are left out with a note, whatever `include_unstable` says."""
+    steps: dict[Path, list[Path]] = {}
+    for f in files:
+        if CAPTURE_FILE.fullmatch(f.name) and CAPTURE_DIR.fullmatch(f.parent.name):
+            steps.setdefault(f.parent, []).append(f)
+    if not steps:
         return files
+    pending: list[Path] = []
+    mixed: list[tuple[Path, str]] = []  # committed steps whose files disagree with the marker
+    stale: list[tuple[Path, str]] = []
+    for d, found in steps.items():
+        marker = d / COMMIT_MARKER
+        if not marker.exists():
+            pending.append(d)
+            continue
+        bad, why = _current(d, found, _read_marker(marker))
+        if why is not None:
+            mixed.append((d, why))
+        for f, reason in bad:
+            stale.append((f, reason))
+    leave = {f for f, _ in stale}
+    if mixed:
+        leave |= {f for d, _ in mixed for f in steps[d]}
+        names = "; ".join(f"{d}: {why}" for d, why in mixed[:3]) + (
+            " ..." if len(mixed) > 3 else ""
+        )
+        notes.append(
+            f"skipped {len(mixed)} captured step(s) whose {COMMIT_MARKER} belongs to another run "
+            f"than their files (a rerun is rewriting them): {names}."
+        )
+    if stale:
+        n_steps = len({f.parent for f, _ in stale})
+        eg = "; ".join(f"{f.parent.name}/{f.name}: {why}" for f, why in stale[:3])
+        notes.append(
+            f"left out {len(stale)} file(s) of an earlier run in {n_steps} captured step(s) "
+            f"(e.g. {eg}{' ...' if len(stale) > 3 else ''}). A rerun in the same directory "
+            "left them; delete them, or name one on its own to read it."
+        )
+    if not pending:
+        kept = [f for f in files if f not in leave]
+        if not kept:
+            raise DataError(
+                f"{source}: every captured file belongs to another run than the "
+                f"{COMMIT_MARKER} marker of its step; nothing to read. Delete the step "
+                "directories of the earlier run, or name a file on its own."
+            )
+        return kept
+    pending.sort(key=natural_key)
     names = ", ".join(str(d) for d in pending[:5]) + (" ..." if len(pending) > 5 else "")
     if options.include_unstable:
         notes.append(
             f"reading {len(pending)} captured step(s) without a {COMMIT_MARKER} marker "
             f"(--include-unstable): {names}. Some ranks may not have written theirs yet."
         )
-        return files
+        return [f for f in files if f not in leave]
     skip = set(pending)
-    kept = [f for f in files if f.parent not in skip]
+    kept = [f for f in files if f.parent not in skip and f not in leave]
     if not kept:
         raise DataError(
             f"{source}: every captured step is still being written (no {COMMIT_MARKER} marker "
@@ -256,6 +296,45 @@ def _committed_only(
         "read them."
     )
     return kept
+
+
+def _read_marker(path: Path) -> dict:
+    """A marker's JSON object; {} for an empty or foreign one (a `touch _SUCCESS`, Spark's)."""
+    try:
+        raw = path.read_bytes()
+        out = json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def _current(d: Path, found: list[Path], marker: dict) -> tuple[list[tuple[Path, str]], str | None]:
+    """(files of step directory `d` to leave out, with why; a reason to skip the whole step
+    or None). The step's COMMIT_MARKER names the world size and run id that committed it
+    (a marker written before run ids has the world size alone, an empty one neither): a
+    rank at or beyond the world size is an earlier run's; so is a rank whose own marker
+    (`_SUCCESS.rank=R`) names another run. A rank below the world size with another run's
+    marker while the step's marker says complete means the step is being rewritten."""
+    ws = marker.get("world_size")
+    ws = ws if isinstance(ws, int) and not isinstance(ws, bool) else None
+    has_run = "run_id" in marker
+    run = marker.get("run_id")
+    out: list[tuple[Path, str]] = []
+    for f in found:
+        rank = int(f.name[len("rank=") : -len(".parquet")])
+        if ws is not None and rank >= ws:
+            out.append(
+                (f, f"rank {rank} is beyond the world size {ws} of the run that committed the step")
+            )
+            continue
+        if has_run:
+            mine = _read_marker(d / f"{COMMIT_MARKER}.rank={rank}")
+            if mine.get("run_id") != run or mine.get("world_size") != ws:
+                return out, (
+                    f"rank {rank}'s marker names run {mine.get('run_id')} (world size "
+                    f"{mine.get('world_size')}), {COMMIT_MARKER} run {run} (world size {ws})"
+                )
+    return out, None
 
 
 def _stable_only(files: list[Path], include: bool, notes: list[str]) -> list[Path]:
