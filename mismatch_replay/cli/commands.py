@@ -188,8 +188,10 @@ def sweep(
             "--rule",
             "-r",
             metavar="SPEC",
-            help="Rule SPEC (repeatable): name[:param=value,...] or name@preset, "
-            "e.g. ipo:eps=0.3, icepop@verl. Default: every rule the log supports.",
+            help="Rule SPEC (repeatable). A bare name (ipo) sweeps the rule's threshold "
+            "parameters over their default grids, as the sweep without --rule does; "
+            "name:param=value,... (ipo:eps=0.3) or name@preset (icepop@verl) is one setting, "
+            "one row. Default: every rule the log supports.",
         ),
     ] = None,
     sweep_: Annotated[
@@ -278,6 +280,7 @@ def sweep(
     def body():
         from ..engine import parse_sweeps
         from ..engine import sweep as run_sweep
+        from ..rules.spec import sweep_specs
 
         if output is not None:
             from ..output import check_target
@@ -288,7 +291,7 @@ def sweep(
         with render.progress("sweep") as cb:
             res = run_sweep(
                 sources,
-                rules=rules or None,
+                rules=sweep_specs(rules) if rules else None,
                 sweeps=parse_sweeps(sweep_ or []),
                 by=by,
                 options=opts,

@@ -5,11 +5,13 @@ Design
 A *job* is one rule with one swept threshold parameter over a grid of K values (a single
 setting is a grid of one: `single_job`). `plan_jobs` turns the user's rules (objects or SPEC
 text) and `--sweep` grids into jobs: with no rules, every rule of the registry that the log's
-columns support, each threshold parameter over its default grid; a swept parameter that is
-not a threshold (kpop's clamp) becomes one single-setting job per value. A job's values are
-in parameter space, ascending; `Job.thresholds` maps them into score space, rounded to
-float32 for a float32 replay (as a framework's comparison of a float32 tensor with a Python
-float rounds them).
+columns support, each threshold parameter over its default grid; a rule *class* (what
+`rules.sweep_specs` makes of a bare name, `sweep -r ipo`) the same for that rule alone; a
+rule instance or SPEC is one setting unless `--sweep` names one of its parameters; a swept
+parameter that is not a threshold (kpop's clamp) becomes one single-setting job per value.
+A job's values are in parameter space, ascending; `Job.thresholds` maps them into score
+space, rounded to float32 for a float32 replay (as a framework's comparison of a float32
+tensor with a Python float rounds them).
 
 Precision: `use_precision` sets, for a block, the arithmetic every replay in it decides
 rules in (how analysis and the report pass --precision down); `with_precision` rewrites jobs
@@ -110,8 +112,9 @@ def plan_jobs(
     """Rules + sweeps -> jobs, and notes on what was skipped (data lacking a column).
 
     rules=None: every rule that the columns support, each threshold parameter swept over
-    its default grid (rules=[]: no rule, metrics only). `sweeps` maps `param` or
-    `rule.param` to a GRID (text or array).
+    its default grid (rules=[]: no rule, metrics only). A rule class in `rules` (e.g.
+    `REGISTRY["ipo"]`, `rules.sweep_specs(["ipo"])`) is swept the same way; a SPEC or a Rule
+    is one setting. `sweeps` maps `param` or `rule.param` to a GRID (text or array).
     """
     for k, v in (sweeps or {}).items():
         if not isinstance(v, str):
@@ -122,8 +125,14 @@ def plan_jobs(
     }
     notes: list[str] = []
     explicit = rules is not None
+    swept: set[int] = set()  # positions in `chosen` swept over their default grids
     if explicit:
-        chosen = [parse_rule(r) if isinstance(r, str) else r for r in rules]
+        chosen = []
+        for r in rules:
+            if isinstance(r, type) and issubclass(r, Rule):  # the rule itself: swept
+                swept.add(len(chosen))
+                r = r()
+            chosen.append(parse_rule(r) if isinstance(r, str) else r)
     else:
         chosen = []
         for cls in REGISTRY.values():
@@ -134,7 +143,7 @@ def plan_jobs(
             chosen.append(cls())
     used: set[str] = set()
     jobs: list[Job] = []
-    for rule in chosen:
+    for k, rule in enumerate(chosen):
         lacking = [c for c in rule.needs if c not in columns]
         if lacking and explicit:
             raise DataError(
@@ -147,7 +156,7 @@ def plan_jobs(
             name, _, param = key.rpartition(".")
             if (name in ("", rule.name)) and param in targets:
                 used.add(key)
-        if not targets and not explicit:
+        if not targets and (not explicit or k in swept):
             targets = {p.name: parse_grid(p.grid) for p in rule.params if p.threshold}
         if not targets:
             jobs.append(single_job(rule))

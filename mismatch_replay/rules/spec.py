@@ -7,7 +7,9 @@ precision (`Rule.native_precision`; --precision overrides). Each value is checke
 against its parameter's Domain.
 GRID: `a,b,c` or `start:stop:num[:log]`, sorted and unique, at most MAX_GRID values.
 `spec_warnings` gives the one-line warning of every preset that follows a framework's
-quirk.
+quirk. `sweep_specs` reads SPECs as `sweep` does: a bare rule name (`ipo`, no preset, no
+values) stands for the rule itself, its class, which `engine.plan_jobs` sweeps over every
+threshold parameter's default grid; a SPEC with values or a preset is one setting.
 """
 
 from __future__ import annotations
@@ -90,6 +92,22 @@ def parse_rule(spec: str) -> Rule:
             values[k] = _number(v, f"rule SPEC '{spec}', {k}")
             param.check(cls.name, values[k], f"rule SPEC '{spec}'")
     return cls(**values)
+
+
+def is_bare(spec) -> bool:
+    """A SPEC that is a rule name alone (`ipo`): no preset, no parameter values."""
+    return (
+        isinstance(spec, str)
+        and _SPEC.match(spec.strip()) is not None
+        and ("@" not in spec and ":" not in spec)
+    )
+
+
+def sweep_specs(specs):
+    """SPECs as `sweep`, `plot` and `report` read them: a bare rule name becomes its rule
+    class (swept over its default grids by `engine.plan_jobs`), anything else stays a SPEC
+    (one setting). An unknown name is a usage error listing the known ones."""
+    return [get_rule_class(s.strip()) if is_bare(s) else s for s in specs]
 
 
 def spec_warnings(specs) -> list[str]:
