@@ -152,9 +152,15 @@ def test_render_follows_the_signature():
 
 def test_internal_keywords_are_refused():
     """The engine's plumbing is not public: a keyword the call does not take fails at once."""
-    for kw in ("tail", "seq_lengths", "shape", "jobs", "bootstrap", "robust", "final", "scatter"):
-        with pytest.raises(TypeError, match=kw):
-            mismatch_replay.sweep("tests/data/golden_log.parquet", **{kw: None})
+    internal = ("tail", "seq_lengths", "shape", "jobs", "bootstrap", "robust", "final", "scatter")
+    for fn in (mismatch_replay.sweep, mismatch_replay.replay):
+        for kw in internal:
+            with pytest.raises(TypeError, match=kw):
+                fn("tests/data/golden_log.parquet", **{kw: None})
+    with pytest.raises(TypeError, match="tally"):
+        mismatch_replay.choose("tests/data/golden_log.parquet", 0.01, tally=None)
+    with pytest.raises(TypeError, match="budget_settings"):
+        mismatch_replay.compare("tests/data/golden_log.parquet", "ipo", "tis", budget_settings=())
 
 
 def _example(name: str) -> None:
@@ -195,6 +201,32 @@ def test_results_render_as_text_and_html():
     k = mismatch_replay.check(log, max_metric={"kl_k3": 1.0})
     assert k.passed and str(k).startswith("CheckResult: passed")
     assert k.table["limit"].to_list() == ["kl_k3"]
+
+
+def test_summaries_say_what_the_tables_hold():
+    """Each summary line is read off the result's own rows: a grouped sweep sums its groups
+    to the whole log's fraction; the 2 x 2 table's cells add up to the tokens; the drift
+    table has a row a step."""
+    from mismatch_replay.present import pct
+
+    log = str(ROOT / "tests" / "data" / "golden_log.parquet")
+    whole = mismatch_replay.sweep(log, rules=["ipo:eps=0.3"])
+    by_step = mismatch_replay.sweep(log, rules=["ipo:eps=0.3"], by="step")
+    frac = whole.table["masked_fraction"][0]
+    assert by_step.table.height == 8 and len(set(by_step.table["masked_fraction"])) > 1
+    line = f"ipo:eps=0.3 masks {pct(frac)} of tokens"
+    assert line in str(whole).splitlines()[1] and line in str(by_step).splitlines()[1]
+    assert "by step" in str(by_step).splitlines()[0]
+    cmp = mismatch_replay.compare(log, "ipo:eps=0.1", "icepop@prime-rl")
+    assert cmp.table["tokens"].sum() == cmp.tokens == 19_598
+    assert dict(zip(cmp.table["cell"], cmp.table["tokens"], strict=True))["both"] == cmp.both
+    assert f"both {cmp.both:,}, only a {cmp.only_a:,}, only b {cmp.only_b:,}" in str(cmp)
+    d = mismatch_replay.drift(log)
+    assert d.table["step"].to_list() == [r.step for r in d.steps] == list(range(8))
+    assert str(d).startswith("DriftResult: 8 steps")
+    best = mismatch_replay.choose(log, 0.01, rules=["ipo"], bootstrap=0)
+    assert best.table.to_dicts() == [best[0].to_dict()]
+    assert f"eps = {best[0].value:.4g}" in str(best) and "[ok]" in str(best)
 
 
 def _write() -> None:
