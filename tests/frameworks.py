@@ -120,6 +120,40 @@ def prime_icepop(L: Log, v: dict, dt) -> np.ndarray:
     return _np(~((ratio >= v["low"]) & (ratio <= v["high"])))
 
 
+# prime-rl's loss module after its 2026-09 refactor (IPOLoss, IcePopLoss, PPOLoss), read in
+# the public code index (src/prime_rl/trainer/rl/loss.py; that commit is not in the mirror)
+
+
+def _prime_log_bound(value: float, dt) -> torch.Tensor:
+    """log_importance_ratio.new_tensor(value).log(): the bound in the tensor's dtype."""
+    return torch.tensor(value, dtype=dt).log()
+
+
+def prime_ipo_now(L: Log, v: dict, dt) -> np.ndarray:
+    """IPOLoss.loss: abs_probs_diff = exp(max(lp, lq)) * -expm1(min - max); masked iff
+    abs_probs_diff > eps."""
+    lp, lq = L.t(L.lp, dt), L.t(L.lq, dt)
+    hi, lo = torch.maximum(lp, lq), torch.minimum(lp, lq)
+    return _np(torch.exp(hi) * -torch.expm1(lo - hi) > v["eps"])
+
+
+def prime_icepop_now(L: Log, v: dict, dt) -> np.ndarray:
+    """IcePopLoss.loss: masked iff l < log(ratio_low) or l > log(ratio_high), the logs of
+    tensors of l's dtype."""
+    lr = L.t(L.lp, dt) - L.t(L.lq, dt)
+    return _np((lr < _prime_log_bound(v["low"], dt)) | (lr > _prime_log_bound(v["high"], dt)))
+
+
+def prime_ppo_now(L: Log, v: dict, dt) -> np.ndarray:
+    """PPOLoss.loss's `clipped`: (A > 0 and l > log(ratio_high)) or (A < 0 and l <
+    log(ratio_low)); ratio_low = 1 - eps_low, ratio_high = 1 + eps_high."""
+    lr = L.t(L.lp, dt) - L.t(L.lq, dt)
+    a = L.t(L.adv, dt)
+    hi = _prime_log_bound(1.0 + v["eps_high"], dt)
+    lo = _prime_log_bound(1.0 - v["eps_low"], dt)
+    return _np(((a > 0) & (lr > hi)) | ((a < 0) & (lr < lo)))
+
+
 def prime_kpop(L: Log, v: dict, dt) -> np.ndarray:
     """kpop_loss_fn @ b9ba060: probabilities clamped to [1e-6, 1 - 1e-6], then
     p log(p/q) + (1 - p) log((1 - p)/(1 - q)) both ways; masked iff either > threshold."""
@@ -258,6 +292,22 @@ def verl_seq_tis(L: Log, v: dict, dt) -> np.ndarray:
     s = _masked_sum(L.pad(L.lp - L.lq, dt), L.mask())
     w = torch.exp(torch.clamp(s, min=-SAFETY_BOUND, max=SAFETY_BOUND))
     return L.unpad(w > v["cap"])
+
+
+def verl_ppo(L: Log, v: dict, dt) -> np.ndarray:
+    """core_algos.py compute_policy_loss_vanilla @ b178a3c: ratio = exp(clamp(l, -20, 20));
+    pg_losses1 = -A ratio, pg_losses2 = -A clamp(ratio, 1 - low, 1 + high); a token's
+    gradient is clipped where pg_losses2 > pg_losses1 (its pg_clipfrac), and, with
+    clip_ratio_c, where A < 0 and max(pg_losses1, pg_losses2) > -A c (pg_clipfrac_lower)."""
+    ratio = torch.exp(torch.clamp(_verl_log_ratio(L, dt), min=-SAFETY_BOUND, max=SAFETY_BOUND))
+    a = L.t(L.adv, dt)
+    pg1 = -a * ratio
+    pg2 = -a * torch.clamp(ratio, 1 - v["eps_low"], 1 + v["eps_high"])
+    clipped = torch.gt(pg2, pg1)
+    if "c" in v:
+        lower = torch.gt(torch.maximum(pg1, pg2), -a * v["c"]) & (a < 0)
+        clipped = clipped | lower
+    return _np(clipped)
 
 
 def verl_dppo_tv(L: Log, v: dict, dt) -> np.ndarray:
@@ -423,10 +473,15 @@ def nemo_prob_error(L: Log, v: dict, dt) -> np.ndarray:
 # (a paper's or docs' values) are checked against tests/brute.py, written from RULES.md.
 Ref = Callable[[Log, dict, object], np.ndarray]
 REFERENCES: dict[str, tuple[Ref, str]] = {
-    "ipo@prime-rl": (prime_ipo, "prime-rl loss.py ipo_loss_fn @ 559b447"),
+    "ipo@prime-rl": (prime_ipo_now, "prime-rl loss.py IPOLoss (2026-09 refactor)"),
     "ipo@prime-rl-legacy": (prime_ipo, "prime-rl loss.py ipo_loss_fn @ 559b447"),
     "ipo-v1@prime-rl-legacy": (prime_ipo_v1, "prime-rl loss.py default_loss_fn @ 02bdca2"),
-    "icepop@prime-rl": (prime_icepop, "prime-rl loss.py default_loss_fn @ 3c3248d"),
+    "icepop@prime-rl": (prime_icepop_now, "prime-rl loss.py IcePopLoss (2026-09 refactor)"),
+    "icepop@prime-rl-legacy": (prime_icepop, "prime-rl loss.py default_loss_fn @ 3c3248d"),
+    "ppo-clip@prime-rl": (prime_ppo_now, "prime-rl loss.py PPOLoss (2026-09 refactor)"),
+    "ppo-clip@paper": (verl_ppo, "verl core_algos.py compute_policy_loss_vanilla @ b178a3c"),
+    "ppo-clip@dapo": (verl_ppo, "verl core_algos.py compute_policy_loss_vanilla @ b178a3c"),
+    "dual-clip@paper": (verl_ppo, "verl core_algos.py compute_policy_loss_vanilla @ b178a3c"),
     "icepop@verl": (verl_token_rs, "verl rollout_corr_helper.py (token) @ 7522bef"),
     "icepop@areal": (areal_ratio, "AReaL functional.py apply_rejection_sampling @ cbff54d"),
     "token-mis@verl": (verl_token_rs, "verl rollout_corr_helper.py (token) @ 7522bef"),
@@ -467,10 +522,6 @@ DOCS_ONLY = (
     "icepop@paper",
     "kpop@paper",
     "m2po@paper",
-    "ppo-clip@paper",
-    "ppo-clip@dapo",
-    "ppo-clip@prime-rl",
-    "dual-clip@paper",
     "tis@paper",
     "gspo@paper",
 )

@@ -396,8 +396,8 @@ def test_programs_say_why_a_job_is_not_fused():
         engine.Job(IPO(), "eps", v),
         engine.Job(IPO(precision="float32"), "eps", v),
         engine.Job(SeqTIS(), "cap", np.array([2.0])),
-        engine.Job(parse_rule("dppo-kl@verl"), "high", v),
-        engine.Job(parse_rule("ipo@prime-rl"), "eps", v),
+        engine.Job(parse_rule("dppo-kl@verl").replace(precision="float64"), "high", v),
+        engine.Job(parse_rule("ipo@prime-rl").replace(precision="float64"), "eps", v),
         engine.Job(KPop(clamp=1e-6), "phi", v),
         engine.Job(Misdeclared(), "eps", v),
     ]

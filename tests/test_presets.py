@@ -13,6 +13,7 @@ same way with the references run in torch.float32.
 
 from __future__ import annotations
 
+import html
 import math
 
 import brute
@@ -496,7 +497,10 @@ def test_precision_reaches_choose_compare_and_the_report(tmp_path):
     flagged = [r.spec for r in check.rows if r.flagged]
     assert flagged == ["kpop@areal:phi=2,clamp=1e-08"] and len(check.lines) == 1
     assert "float32" in check.lines[0] and f"{f32:,}" in check.lines[0]
+    assert [(n.float32, n.exact) for n in check.notes] == [
+        (f32, framework("kpop@areal", GOLDEN_LOG)["total"])
+    ]
     page = jobs.report(
         [GOLDEN_LOG], tmp_path / "r", "cmd", ["kpop@areal"], bootstrap=0, precision="float32"
     ).read_text()
-    assert "float32 vs float64" in page and check.lines[0].split(":")[0] in page
+    assert "float32 vs float64" in page and html.escape(check.lines[0]) in page

@@ -41,6 +41,7 @@ from .precision import (
     PRECISION_THRESHOLD,
     PrecisionResult,
     PrecisionRow,
+    has_float32_preset,
     precision_check,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "drift",
     "figure_data",
     "findings",
+    "has_float32_preset",
     "precision_check",
     "report_data",
 ]

@@ -167,8 +167,9 @@ def check(
         with render.progress("check") as cb:
             opts = read.options()
             res = run_check(sources, limits, per_step=per_step, options=opts, progress=cb)
+        notes = _precision_notes(sources, specs, opts)
         if json_:
-            render.print_json(res.to_dict())
+            render.print_json({**res.to_dict(), "precision_notes": notes})
         else:
             render.print_check(res, per_step)
         if not res.passed:
@@ -176,6 +177,18 @@ def check(
             raise typer.Exit(3)
 
     run(body)
+
+
+def _precision_notes(sources, settings, opts, precision=None) -> list[dict]:
+    """The precision notes of the settings a command printed (engine.precision_notes_for:
+    a framework preset whose float32 count differs from its exact one), each printed as a
+    note on stderr; returned as dicts for --json."""
+    from ..engine import precision_notes_for
+
+    notes = precision_notes_for(sources, settings, opts, precision)
+    for n in notes:
+        render.note(n.line)
+    return [n.to_dict() for n in notes]
 
 
 @command
@@ -250,7 +263,7 @@ def sweep(
     json_: JsonOpt = False,
     from_config: FromConfigOpt = None,
     framework: FrameworkOpt = None,
-    precision: PrecisionOpt = "float64",
+    precision: PrecisionOpt = None,
     engine: Annotated[
         str,
         typer.Option(
@@ -304,6 +317,8 @@ def sweep(
         render.print_drops(res.tally.report)
         for note in res.notes:
             render.note(note)
+        for pn in res.precision_notes:
+            render.note(pn.line)
         for w in res.warnings:
             render.warn(w)
         if verbose:
@@ -316,7 +331,10 @@ def sweep(
             render.say(f"wrote {res.table.height:,} rows to {output}", to_err=True)
             return
         if json_:
-            render.print_json({**meta, "paths": res.paths, "rows": res.table.to_dicts()})
+            notes = [pn.to_dict() for pn in res.precision_notes]
+            render.print_json(
+                {**meta, "paths": res.paths, "precision_notes": notes, "rows": res.table.to_dicts()}
+            )
             return
         render.print_sweep(res.table, by, all_rows)
 
@@ -369,7 +387,7 @@ def choose(
         ),
     ] = None,
     read: Reads = READ_DEFAULTS,
-    precision: PrecisionOpt = "float64",
+    precision: PrecisionOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """The threshold that masks a target fraction of tokens, per rule.
@@ -409,13 +427,14 @@ def choose(
                 progress=cb,
                 precision=precision,
             )
+        notes = _precision_notes(sources, [r.spec for r in rows], opts, precision)
         text = None
         if emit:
             from ..integrations.config_out import emit as emit_text
 
             text = emit_text(emit, rows, base=cfg)
         if json_:
-            doc = rows.to_dict()
+            doc = {**rows.to_dict(), "precision_notes": notes}
             if cfg is not None:
                 doc["config"] = cfg.to_dict()
             if text is not None:
@@ -455,7 +474,7 @@ def compare(
         ),
     ] = 0,
     read: Reads = READ_DEFAULTS,
-    precision: PrecisionOpt = "float64",
+    precision: PrecisionOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Two rules on the same tokens: which tokens each masks that the other keeps.
@@ -474,8 +493,9 @@ def compare(
             res = run_compare(
                 sources, rule[0], rule[1], budget, examples, opts, cb, precision=precision
             )
+        notes = _precision_notes(sources, [res.rule_a, res.rule_b], opts, precision)
         if json_:
-            render.print_json(res.to_dict())
+            render.print_json({**res.to_dict(), "precision_notes": notes})
             return
         render.print_compare(res, budget)
 

@@ -41,12 +41,15 @@ Sources = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
 PrecisionOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--precision",
         metavar="float64|float32",
-        help="Replay the rule decisions in float64 (default) or in the float32 arithmetic the "
-        "frameworks run on the GPU (its NaNs and roundings included; metrics stay float64).",
+        help="Default: each framework preset in its framework's precision (float32, as the "
+        "log-prob tensors of a real run; a note where its exact count differs), a bare rule "
+        "in float64. float64: exact arithmetic for every rule; float32: every rule in the "
+        "float32 arithmetic the frameworks run on the GPU (NaNs and roundings included; "
+        "metrics stay float64).",
     ),
 ]
 FromConfigOpt = Annotated[

@@ -49,6 +49,7 @@ from .jobs import (
     with_precision,
 )
 from .m2po import M2PO_MEMORY_ENV, M2PO_MEMORY_MIB, M2PO_SPILL_PREFIX, M2POStore, reclaim_spills
+from .precision_note import PrecisionNote, precision_notes, precision_notes_for
 from .replay import ENGINES, MATCH, replay, replay_together, sweep
 from .stream import (
     check_loss_tokens,
@@ -77,6 +78,7 @@ __all__ = [
     "Job",
     "JobBins",
     "M2POStore",
+    "PrecisionNote",
     "SweepResult",
     "Tail",
     "Tally",
@@ -89,6 +91,8 @@ __all__ = [
     "parse_sweeps",
     "plan_jobs",
     "poisson_weights",
+    "precision_notes",
+    "precision_notes_for",
     "prefetch",
     "reclaim_spills",
     "replay",

@@ -35,6 +35,7 @@ from ..rules import Rule, spec_warnings
 from . import ray as ray_engine
 from . import stream
 from .jobs import Job, check_jobs, check_precision, current_precision, plan_jobs, with_precision
+from .precision_note import noted_jobs, precision_notes
 from .tail import Tail
 from .tally import SweepResult, Tally
 
@@ -340,10 +341,17 @@ def _observed(batches, observers):
 
 @frozen()  # a whole job: the collector's passes skip what it found (gcpause.py)
 def sweep(*args, **kwargs) -> SweepResult:
-    """`replay(..., final=True)` then the sweep table (see `replay` for the arguments)."""
+    """`replay(..., final=True)` then the sweep table (see `replay` for the arguments), and
+    `precision_notes`: where a preset's float32 count differs from its exact one
+    (engine/precision_note.py; one more read of the log when a float32 preset ran)."""
     kwargs.setdefault("final", True)
     tally = replay(*args, **kwargs)
     res = tally.result()
     res.notes = list(tally.notes)
     res.warnings = list(tally.rule_warnings)
+    res.precision_notes = []
+    if noted_jobs(tally.jobs):  # a float32 preset: its exact count beside (precision_note)
+        src = args[0] if args else kwargs["sources"]
+        plan = src if isinstance(src, Plan) else plan_sources(src, kwargs.get("options"))
+        res.precision_notes = precision_notes(plan, tally)
     return res

@@ -99,6 +99,8 @@ class SweepResult(Presentable):
     tally: Tally
     notes: list[str] = field(default_factory=list)  # e.g. rules skipped for lack of a column
     warnings: list[str] = field(default_factory=list)  # e.g. a preset's framework quirk
+    # where a float32 preset's count differs from its exact one (engine/precision_note.py)
+    precision_notes: list = field(default_factory=list)
     # per job, in job order: {"rule", "param", "path": "fused" | "simple", "reason"}
     # (Tally.paths)
     paths: list[dict] = field(default_factory=list)

@@ -68,8 +68,10 @@ def m2po_step_bins(
     a stable argsort (the reference). `keep_last` (m2po@areal): the last rank is never
     masked (AReaL masks all but one token when no tail's mean is under tau).
     `precision="float32"`: the suffix sums, counts and means in float32, as AReaL's torch
-    code runs them (a sequential float32 cumsum; a GPU scan adds in another order). Both
-    take the numpy path.
+    code runs them on the CPU (a sequential cumsum in double, each sum rounded to float32;
+    a GPU scan adds in another order). keep_last also masks only the ranks before the first
+    whose mean is below tau, as AReaL's `k = first index with mean < tau` does. Both take
+    the numpy path.
     """
     k = thr_sorted.shape[0]
     n = x.shape[0]
@@ -99,13 +101,19 @@ def m2po_step_bins(
     order = np.argsort(-x, kind="stable")
     xs = x[order]
     if precision == "float32":
+        # torch's CPU cumsum of a float32 tensor adds in double and rounds each partial sum
+        # to float32 (its accumulate type); the division is float32
         xs32 = xs.astype(np.float32)
-        suffix32 = np.cumsum(xs32[::-1], dtype=np.float32)[::-1]
+        suffix32 = np.cumsum(xs32[::-1].astype(np.float64))[::-1].astype(np.float32)
         score = (suffix32 / np.arange(n, 0, -1, dtype=np.float32)).astype(np.float64)
     else:
         suffix = np.cumsum(xs[::-1])[::-1]  # from the smallest up: no cancellation
         score = suffix / (n - np.arange(n))
     if keep_last:
+        # AReaL masks the ranks before the FIRST whose suffix mean is below tau: where the
+        # rounded means dip under tau and come back (ties at tau) a later rank >= tau is
+        # kept, so a rank scores the smallest mean up to it (exactly: the means fall)
+        score = np.minimum.accumulate(score)
         score[-1] = -math.inf
     b = bin_scores(score, thr_sorted, True)
     width = k + 2

@@ -295,7 +295,7 @@ def plan_job(job) -> Plan | str:
     if rule.precision != "float64":
         return f"{rule.precision} replay"
     basis, margin = rule, (0.0, 0.0)
-    if rule.arith:
+    if rule.arith or rule.ops == "exact":  # a preset's formula, or its correctly rounded exp
         margin = rule.arith_margin(param, job.values)
         if margin is None:
             return f"preset arithmetic '{rule.arith}' (its own formula)"

@@ -37,6 +37,7 @@ import numpy as np
 from .. import crmath, pmath
 from ..errors import UsageError
 
+EXACT_MARGIN = (1e-13, 0.0)  # crmath's exp/expm1 against pmath's (3 ulps), relative
 LOG_CLAMP = 20.0  # |log ratio| clamp before exp for weights and metrics (verl, slime, SkyRL)
 PRECISIONS = ("float64", "float32")
 
@@ -740,7 +741,11 @@ class Rule:
         thresholds `values` of `param`, as (relative, absolute) on the coordinate (the fused
         path runs the stable form and widens its windows by it; the simple path decides the
         tokens inside them with the preset's own formula); None where the two forms can
-        differ elsewhere (the simple path runs the job)."""
+        differ elsewhere (the simple path runs the job). A preset in exact arithmetic with
+        the stable form's formula differs from it by the correctly rounded exp only
+        (EXACT_MARGIN: pmath is within 3 ulps)."""
+        if not self.arith and self.ops == "exact":
+            return EXACT_MARGIN
         return type(self).arith_margins.get(self.arith)
 
 
@@ -755,7 +760,20 @@ ARITH = {
     "verl": "verl's own formula (see the preset note)",
     "prime-rl": "prime-rl's formula: probabilities clamped, then p log(p/q) + ...; NaN kept",
     "areal": "AReaL's formula (see the preset note); NaN masked",
+    "log-tensor": "the log ratio against log(bound) computed as a tensor of the log-probs' "
+    "dtype (log of the bound rounded to float32 in a float32 replay), strict",
 }
+
+
+def tensor_log(value: float, precision: str) -> float:
+    """log(value) as torch computes `t.new_tensor(value).log()` for a tensor t of that
+    precision: the bound rounded to float32 first in float32 (then its log rounded), the
+    correctly rounded log in float64 (-inf for 0)."""
+    if value <= 0:
+        return -math.inf
+    if precision == "float32":
+        return float(np.float32(math.log(float(np.float32(value)))))
+    return math.log(value)
 
 
 def fmt_value(v) -> str:
@@ -796,6 +814,9 @@ def register(cls=None, *, after: str | None = None):
 
 # Where the presets' arithmetic was read (file @ commit); tests/frameworks.py re-derives each.
 PRIME_LOSS = "prime-rl src/prime_rl/trainer/rl/loss.py"
+# prime-rl's loss module after its 2026-09 refactor (IPOLoss, IcePopLoss, PPOLoss classes),
+# read in the public code index (its commit is not in the mirror here)
+PRIME_LOSS_NOW = f"{PRIME_LOSS} (2026-09 refactor, public index)"
 VERL_RC = "verl verl/trainer/ppo/rollout_corr_helper.py"
 VERL_CORE = "verl verl/trainer/ppo/core_algos.py"
 AREAL_FN = "AReaL areal/utils/functional/functional.py @ cbff54d"

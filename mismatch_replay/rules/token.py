@@ -26,6 +26,7 @@ from .base import (
     INF,
     POSITIVE,
     PRIME_LOSS,
+    PRIME_LOSS_NOW,
     RATIO_HIGH,
     RATIO_LOW,
     TRL_GRPO,
@@ -43,6 +44,7 @@ from .base import (
     register,
     safe_log,
     select,
+    tensor_log,
 )
 
 # How far a preset's arithmetic is from its stable form, on the coordinate of the quantity it
@@ -87,12 +89,14 @@ class IPO(Rule):
     params = (Param("eps", "probability band half-width", "0.001:1:121:log"),)
     presets = {"prime-rl": {"eps": 0.3}, "prime-rl-legacy": {"eps": 0.1}}
     preset_notes = {
-        "prime-rl": "|exp(lp) - exp(lq)| > eps as prime-rl computes it (ipo_loss_fn)",
-        "prime-rl-legacy": "prime-rl's IPO default before 2026-09-18; |exp(lp) - exp(lq)|",
+        "prime-rl": "IPOLoss: exp(max(lp, lq)) * -expm1(min - max) > eps, the stable form, "
+        "in prime-rl's float32",
+        "prime-rl-legacy": "ipo_loss_fn, prime-rl's IPO before 2026-09-18: "
+        "|exp(lp) - exp(lq)| > 0.1",
     }
-    preset_arith = {"prime-rl": "prob", "prime-rl-legacy": "prob"}
+    preset_arith = {"prime-rl": "", "prime-rl-legacy": "prob"}
     preset_sources = {
-        "prime-rl": f"{PRIME_LOSS} ipo_loss_fn @ 559b447",
+        "prime-rl": f"{PRIME_LOSS_NOW} IPOLoss.loss @ main",
         "prime-rl-legacy": f"{PRIME_LOSS} ipo_loss_fn @ 559b447 (ipo_threshold 0.1)",
     }
     quantities = {"eps": "|dp|"}
@@ -155,23 +159,41 @@ class IcePop(Rule):
     )
     presets = {
         "prime-rl": {"low": 0.2, "high": 5.0},
+        "prime-rl-legacy": {"low": 0.2, "high": 5.0},
         "verl": {"low": 0.5, "high": 5.0},
         "areal": {"low": 0.5, "high": 5.0},
         "paper": {"low": 0.5, "high": 5.0},
     }
     preset_notes = {
-        "prime-rl": "exp(l) against [low, high] in ratio space",
+        "prime-rl": "IcePopLoss: l < log(low) or l > log(high), the logs computed as tensors "
+        "of the log-probs' dtype (log space, strict)",
+        "prime-rl-legacy": "default_loss_fn before the 2026-09 refactor: exp(l) against "
+        "[low, high] in ratio space",
         "verl": "exp(clip(l, -20, 20)) against [low, high] in ratio space",
         "areal": "exp(l) against [lower, upper] in ratio space (metric 'ratio')",
     }
-    preset_arith = {"prime-rl": "ratio", "verl": "ratio-clamp", "areal": "ratio"}
+    preset_arith = {
+        "prime-rl": "log-tensor",
+        "prime-rl-legacy": "ratio",
+        "verl": "ratio-clamp",
+        "areal": "ratio",
+    }
+    precision_causes = {
+        "areal": "its log ratio is float32 (.float() before the subtraction): a ratio within "
+        "float32 rounding of a bound lands on it, and the band is inclusive",
+    }
     preset_sources = {
-        "prime-rl": f"{PRIME_LOSS} default_loss_fn @ 3c3248d",
+        "prime-rl": f"{PRIME_LOSS_NOW} IcePopLoss.loss @ main",
+        "prime-rl-legacy": f"{PRIME_LOSS} default_loss_fn @ 3c3248d",
         "verl": f"{VERL_RC} compute_rollout_rejection_mask (token) @ 7522bef",
         "areal": f"{AREAL_FN} apply_rejection_sampling",
     }
     quantities = {"low": "log r", "high": "log r"}
-    arith_margins = {"ratio": RATIO_MARGIN, "ratio-clamp": RATIO_MARGIN}
+    arith_margins = {
+        "ratio": RATIO_MARGIN,
+        "ratio-clamp": RATIO_MARGIN,
+        "log-tensor": RATIO_MARGIN,
+    }
     low: float | None = 0.5
     high: float | None = 5.0
 
@@ -186,11 +208,19 @@ class IcePop(Rule):
             if param == "high":
                 return -safe_log(reciprocal_spec(value))
             return safe_log(reciprocal_spec(value))
+        if a == "log-tensor":
+            t = tensor_log(value, self.precision)
+            return t if param == "high" else -t
         return safe_log(value) if param == "high" else -safe_log(value)
 
     def score(self, b, param):
         b = self.at_precision(b)
         a = self.arith
+        if a == "log-tensor":  # strict on both sides, the bounds' logs in the dtype
+            lo, hi = tensor_log(self.low, self.precision), tensor_log(self.high, self.precision)
+            if param == "high":
+                return select(b.l < lo, INF, b.l)
+            return select(b.l > hi, INF, -b.l)
         if a in ("ratio", "ratio-clamp"):
             r = b.r if a == "ratio" else b.r_clamped
             return band(param, r, self.low, self.high)
@@ -264,6 +294,10 @@ class KPop(Rule):
         "_VALID_METRICS) although its docs, help text and example list it",
     }
     preset_arith = {"prime-rl": "prime-rl", "areal": "areal"}
+    precision_causes = {
+        "areal": "its clamp 1 - 1e-8 is 1.0 in float32: a token with p or q = 1 gives "
+        "0 * log(0) = NaN, and AReaL masks NaN",
+    }
     preset_sources = {
         "prime-rl": f"{PRIME_LOSS} kpop_loss_fn @ b9ba060 (branch feat/kpop-loss)",
         "areal": f"{AREAL_FN} compute_binary_kl_divergence, apply_rejection_sampling",
@@ -450,7 +484,24 @@ class PPOClip(Rule):
         "dapo": {"eps_low": 0.2, "eps_high": 0.28},
         "prime-rl": {"eps_low": 0.2, "eps_high": 0.2},
     }
+    # r = exp(l) against 1 - eps_low and 1 + eps_high in ratio space, as every trainer's
+    # loss compares it (a tie at r = 0.7999999999999999 is clipped)
+    preset_arith = {"paper": "ratio", "dapo": "ratio", "prime-rl": "log-tensor"}
+    preset_notes = {
+        "prime-rl": "PPOLoss's is_clipped: A > 0 and l > log(1.2), or A < 0 and l < log(0.8), "
+        "the logs as tensors of the log-probs' dtype",
+        "paper": "exp(clip(l, -20, 20)) against [1 - eps_low, 1 + eps_high] in ratio space, "
+        "as verl's compute_policy_loss_vanilla",
+        "dapo": "exp(clip(l, -20, 20)) against [0.8, 1.28] in ratio space (DAPO's "
+        "clip-higher, verl's compute_policy_loss_vanilla)",
+    }
+    preset_sources = {
+        "prime-rl": f"{PRIME_LOSS_NOW} PPOLoss.loss @ main",
+        "paper": f"{VERL_CORE} compute_policy_loss_vanilla @ b178a3c",
+        "dapo": f"{VERL_CORE} compute_policy_loss_vanilla @ b178a3c (clip_ratio_high 0.28)",
+    }
     quantities = {"eps_low": "1-r", "eps_high": "r-1"}
+    arith_margins = {"ratio": RATIO_MARGIN, "log-tensor": RATIO_MARGIN}
     eps_low: float | None = 0.2
     eps_high: float | None = 0.2
 
@@ -458,11 +509,23 @@ class PPOClip(Rule):
         return np.zeros(len(b), dtype=bool)
 
     def threshold(self, param, value):
+        if self.arith == "log-tensor":  # on l: log(1 + eps_high), -log(1 - eps_low)
+            if param == "eps_high":
+                return tensor_log(1.0 + value, self.precision)
+            return -tensor_log(1.0 - value, self.precision)
         return 1.0 + value if param == "eps_high" else value - 1.0
 
     def score(self, b, param):
         b = self.at_precision(b)
         a = b.adv(self.name)
+        if self.arith == "log-tensor":  # prime-rl's PPOLoss: the log ratio, strict
+            hi = tensor_log(1.0 + self.eps_high, self.precision)
+            lo = tensor_log(1.0 - self.eps_low, self.precision)
+            up = (a > 0) & (b.l > hi)
+            down = (a < 0) & (b.l < lo)
+            if param == "eps_high":
+                return select(down, INF, select(a > 0, b.l, -INF))
+            return select(up, INF, select(a < 0, -b.l, -INF))
         r = b.r
         up = (a > 0) & (r > 1.0 + self.eps_high)
         down = (a < 0) & (r < 1.0 - self.eps_low)
@@ -486,6 +549,12 @@ class DualClip(PPOClip):
         Param("c", "dual-clip bound for A < 0", "1.01:100:121:log", domain=AT_LEAST_1),
     )
     presets = {"paper": {"eps_low": 0.2, "eps_high": 0.2, "c": 3.0}}
+    preset_arith = {"paper": "ratio"}
+    preset_notes = {
+        "paper": "exp(clip(l, -20, 20)) against the bounds and c in ratio space, as verl's "
+        "compute_policy_loss_vanilla (clip_ratio_c 3)",
+    }
+    preset_sources = {"paper": f"{VERL_CORE} compute_policy_loss_vanilla @ b178a3c"}
     quantities = {"eps_low": "1-r", "eps_high": "r-1", "c": "r"}
     eps_low: float | None = 0.2
     eps_high: float | None = 0.2

@@ -115,14 +115,21 @@ def report(
 
     `precision="float32"`: the figures and tables replay the rules in the frameworks'
     float32 arithmetic (engine.replay), and a "float32 vs float64" section gives a line for
-    every setting whose two masked fractions differ by more than `precision_threshold`."""
+    every setting whose two masked fractions differ by more than `precision_threshold`.
+    None (default): each preset in its framework's precision, and the same section, led by
+    the precision notes of the presets whose float32 and exact counts differ."""
     outdir = Path(outdir)
     if precision is not None:
         engine.check_precision(precision)
     _refuse_existing(outdir, [*REPORT_FILES, *[f"{n}.png" for n in FIGURES]], force)
     # report_data's one read (a replay it makes where a tail cannot say stretches the bar),
     # the float32 check's 2, and drawing the figures
-    passes = 2 + (2 if precision == "float32" else 0)
+    # the float32 check: with --precision float32, and by default where a framework preset
+    # replays in its float32 (its precision notes lead the section); one read
+    check_precision = precision == "float32" or (
+        precision is None and analysis.has_float32_preset(settings)
+    )
+    passes = 2 + (1 if check_precision else 0)
     bar = Stages(progress, passes)
     with _pool(figure_process) as helper:  # starts now: its imports overlap the read
         got: dict = {}
@@ -148,7 +155,7 @@ def report(
             own_specs=config[1] if config else (),
         )
         sections = [("Decision", page.decision_html(dec))]
-        if precision == "float32":
+        if check_precision:
             check = analysis.precision_check(
                 sources, settings, precision_threshold, options=options, progress=bar
             )
