@@ -97,8 +97,11 @@ SettingOpt = Annotated[
         "--rule",
         "-r",
         metavar="SPEC",
-        help="Settings to draw (repeatable SPEC). Default: IPO 0.3 and 0.1, IcePop [0.2, 5] "
-        "and [0.5, 5], KPop 0.1, DPPO-TV 0.2 (when the log has advantages).",
+        help="Rules to draw (repeatable SPEC). A bare name (ipo) is the rule swept, as in "
+        "`sweep -r ipo`: its masked-fraction panel covers its thresholds' default grids and "
+        "its default setting is drawn; name:param=value (ipo:eps=0.3) or name@preset draws "
+        "that one setting. Default: IPO 0.3 and 0.1, IcePop [0.2, 5] and [0.5, 5], KPop "
+        "0.1, DPPO-TV 0.2 (when the log has advantages).",
     ),
 ]
 
