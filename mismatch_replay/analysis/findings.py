@@ -33,6 +33,7 @@ text (the report escapes them; the terminal prints them without markup).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -240,7 +241,28 @@ def masked(ctx: Context, rule: Rule) -> Masked | None:
     got = _summed(ctx.data.by_length, spec)
     if got is not None:
         return got
+    got = _preset_point(ctx.data, rule)
+    if got is not None:
+        return got
     return _on_sweep(ctx.data.sweep, rule)
+
+
+def _preset_point(data: FigureData, rule: Rule) -> Masked | None:
+    """The setting among the report's exact one-value rows (`FigureData.presets`: spec ->
+    fraction of the whole log; every catalogue preset in its stable, float64 form), under
+    its own spec or that stable form's."""
+    fractions = getattr(data, "presets", None) or {}
+    cls = REGISTRY.get(rule.name)
+    keys = [rule.spec()]
+    if cls is not None and _complete(rule):
+        values = {p.name: getattr(rule, p.name) for p in rule.params}
+        with contextlib.suppress(Exception):  # a setting the stable form cannot hold
+            keys.append(cls(**values).spec())
+    for key in keys:
+        f = fractions.get(key)
+        if f is not None and data.tokens:
+            return Masked(int(data.tokens), round(f * data.tokens), cls.kind if cls else "mask")
+    return None
 
 
 def _complete(rule: Rule) -> bool:
@@ -364,6 +386,14 @@ def framework_settings(ctx: Context) -> Finding | None:
     return s.done("framework", f"At {where}, {'; '.join(parts)}.")
 
 
+def _maybe_g(text: str) -> str:
+    """A parameter value from a setting string, at 3 significant digits where a number."""
+    try:
+        return fmt(float(text))
+    except ValueError:
+        return text
+
+
 def _ci_digits(c: Choice) -> int:
     """Significant digits that tell the interval's two ends apart (3 at least)."""
     if c.ci_low is None or c.ci_high is None:
@@ -387,13 +417,17 @@ def chosen_threshold(ctx: Context) -> Finding | None:
     for i, c in enumerate(seen):
         tag = f"choose{i}"
         name = label(c.rule)
-        fixed = f" with {c.setting.replace('=', ' ').replace(',', ', ')}" if c.setting else ""
+        fixed = ""
+        if c.setting:  # the other parameters, as the sweep table names them: k=v,k=v
+            pairs = [kv.partition("=") for kv in c.setting.split(",") if kv]
+            fixed = " with " + ", ".join(f"{k} {_maybe_g(v)}" for k, _, v in pairs)
         if c.status == "out of range":
             got = s.pct(f"{tag}.masked_fraction", c.masked_fraction)
             parts.append(f"{name} cannot reach it on its grid (nearest: {got} masked)")
             continue
         d = _ci_digits(c)
-        text = f"{name} needs {c.param} {s.g(f'{tag}.value', c.value, d)}{fixed}"
+        verb = "truncates that share at" if c.kind == "weight" else "needs"
+        text = f"{name} {verb} {c.param} {s.g(f'{tag}.value', c.value, d)}{fixed}"
         if c.ci_low is not None and c.ci_high is not None:
             lo = s.g(f"{tag}.ci_low", c.ci_low, d)
             hi = s.g(f"{tag}.ci_high", c.ci_high, d)
