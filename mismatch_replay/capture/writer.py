@@ -257,8 +257,13 @@ def _write_temp(tmp: Path, payload: dict, fsync: bool) -> None:
 def _write_marker(path: Path, payload: dict, fsync: bool, tag: str) -> None:
     """A marker that one writer owns (its rank's), replaced atomically."""
     tmp = _temp_twin(path, tag)
-    _write_temp(tmp, payload, fsync)
-    os.replace(tmp, path)
+    try:
+        _write_temp(tmp, payload, fsync)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
@@ -295,6 +300,10 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return True
+
+
+def _last_uncaught() -> BaseException | None:
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
 def _clean_exit(exc: BaseException | None) -> bool:
@@ -448,12 +457,13 @@ class TokenWriter:
         self._close_sent = False  # _CLOSE is queued (a close() interrupted in its join)
         self._reported = False
         self._summarised = False  # close() said how many steps failed
-        self._last_exc = getattr(sys, "last_value", None)  # an uncaught one before us
+        self._last_exc = _last_uncaught()  # an uncaught one before this writer (a notebook)
         self.failed_steps: list[tuple[int, str]] = []  # (step, cause), strict=False
         # the thread's side
         self._error: BaseException | None = None
         self._failures: list[tuple[int, BaseException]] = []  # appended by the thread
         self._skip: int | None = None  # a failed step whose later batches are dropped
+        self._at: int | None = None  # the step the thread is working on
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._file: pq.ParquetWriter | None = None
         self._file_step: int | None = None
@@ -697,7 +707,7 @@ class TokenWriter:
         self.close(commit=_clean_exit(exc))
 
     def _close_at_exit(self) -> None:
-        last = getattr(sys, "last_value", None)  # set when the process ends on an exception
+        last = _last_uncaught()  # set when the process ends on an uncaught exception
         crashed = last is not None and last is not self._last_exc
         try:
             self.close(commit=not crashed or _clean_exit(last))
@@ -786,39 +796,58 @@ class TokenWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            step = None
+            self._at = None  # the step the item concerns, for a failure's warning
             try:
-                if item is _CLOSE:
-                    if self._error is None:
-                        step = self._file_step
-                        self._commit()
-                    return
-                if self._error is not None:
-                    continue  # a failed strict writer discards what it is given
-                if isinstance(item, tuple):  # ("commit" | "drop", step)
-                    kind, step = item
-                    if self._file_step == step:
-                        if kind == "commit":
-                            self._commit()
-                        else:
-                            self._abort()
-                    if self._skip == step:
-                        self._skip = None  # the failed step is over
-                    continue
-                step = item.step
-                if self._skip == step:
-                    continue  # the rest of a failed step
-                self._skip = None
-                self._append(item)
+                self._handle(item)
             except BaseException as exc:  # kept for the caller, never lost
-                self._abort()
-                if self.strict:
-                    self._error = exc
-                else:
-                    self._failures.append((step, exc))
-                    self._skip = step
+                self._fail(self._at, exc)
             finally:
                 self._queue.task_done()
+            if item is _CLOSE:
+                return
+
+    def _handle(self, item) -> None:
+        if item is _CLOSE:
+            if self._error is None:
+                self._at = self._file_step
+                self._commit()
+            return
+        if self._error is not None:
+            return  # a failed strict writer discards what it is given
+        if isinstance(item, tuple):  # ("commit" | "drop", step)
+            kind, self._at = item
+            if self._file_step == self._at:
+                if kind == "commit":
+                    self._commit()
+                else:
+                    self._abort()
+            if self._skip == self._at:
+                self._skip = None  # the failed step is over
+            return
+        self._at = item.step
+        if self._skip == item.step:
+            return  # the rest of a failed step
+        self._skip = None
+        if self._file_step is not None and self._file_step != item.step:
+            prev = self._file_step  # not handed over (write() always does): committed first
+            try:
+                self._commit()
+            except BaseException as exc:
+                self._fail(prev, exc)
+                if self._error is not None:
+                    return
+            self._skip = None
+        self._append(item)
+
+    def _fail(self, step: int | None, exc: BaseException) -> None:
+        """Drop the open step; strict: keep the error (raised by the next call), else: keep
+        the failure (warned by the next call) and skip the rest of the step."""
+        self._abort()
+        if self.strict:
+            self._error = exc
+        else:
+            self._failures.append((step, exc))
+            self._skip = step
 
     def _append(self, p: Prepared) -> None:
         table = self._table(p)
