@@ -278,3 +278,11 @@ def test_masked_reads_the_first_exact_result():
         {"spec": ["ipo@prime-rl:eps=0.3"] * 2, "kind": ["mask"] * 2, "tokens": [400, 600]}
     ).with_columns(masked_tokens=pl.Series([2, 4]))
     assert fmod.masked(ctx, parse_rule("ipo@prime-rl")) == fmod.Masked(1000, 6, "mask")
+
+
+def test_a_first_step_with_no_mismatch_is_a_rise():
+    f = fmod.mismatch_level(_ctx(_drift([0.0, 0.0, 0.02], [], [])))
+    check_numbers(f)
+    assert "it rose from 0 at step 0 to 0.02 at step 2." in f.sentence
+    flat = fmod.mismatch_level(_ctx(_drift([0.0, 0.0], [], [])))
+    assert "about level" in flat.sentence

@@ -278,11 +278,14 @@ def label(name: str) -> str:
 def _setting_text(s: _Sentence, rule: Rule, tag: str) -> str:
     """`eps 0.3`, `[0.2, 5]` (a low/high band), `phi 0.1`: the rule's threshold values."""
     names = [p.name for p in rule.params if p.threshold]
-    if names == ["low", "high"]:
+    if names == ["low", "high"] and _complete(rule):
         lo = s.g(f"{tag}.low", rule.low)
         hi = s.g(f"{tag}.high", rule.high)
         return f"[{lo}, {hi}]"
-    return ", ".join(f"{n} {s.g(f'{tag}.{n}', getattr(rule, n))}" for n in names)
+    return ", ".join(  # a preset may leave a value to the user (token-k2@verl): unset
+        f"{n} unset" if getattr(rule, n) is None else f"{n} {s.g(f'{tag}.{n}', getattr(rule, n))}"
+        for n in names
+    )
 
 
 def _verb(m: Masked) -> str:
@@ -311,9 +314,13 @@ def mismatch_level(ctx: Context) -> Finding | None:
     sa = s.num("step_first", first.step, str(first.step))
     b = s.g("kl_k3_last", last.kl_k3)
     sb = s.num("step_last", last.step, str(last.step))
-    ratio = last.kl_k3 / first.kl_k3 if first.kl_k3 > 0 else math.inf
+    # 0 at the first step: it rose if it is not 0 at the last
+    zero = math.inf if last.kl_k3 > 0 else 1.0
+    ratio = last.kl_k3 / first.kl_k3 if first.kl_k3 > 0 else zero
     if ratio >= 2 and math.isfinite(ratio):
         trend = f"it rose from {a} at step {sa} to {b} at step {sb} ({s.g('ratio', ratio)}×)"
+    elif ratio >= 2:
+        trend = f"it rose from {a} at step {sa} to {b} at step {sb}"
     elif ratio <= 0.5:
         trend = f"it fell from {a} at step {sa} to {b} at step {sb}"
     else:
