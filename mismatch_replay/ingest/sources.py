@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import glob as _glob
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -236,7 +237,7 @@ def _committed_only(
         return files
     pending: list[Path] = []
     mixed: list[tuple[Path, str]] = []  # committed steps whose files disagree with the marker
-    stale: list[tuple[Path, str]] = []
+    stale: list[tuple[Path, int]] = []  # (file, the world size of the step's marker)
     for d, found in steps.items():
         marker = d / COMMIT_MARKER
         if not marker.exists():
@@ -245,8 +246,7 @@ def _committed_only(
         bad, why = _current(d, found, _read_marker(marker))
         if why is not None:
             mixed.append((d, why))
-        for f, reason in bad:
-            stale.append((f, reason))
+        stale.extend(bad)
     leave = {f for f, _ in stale}
     if mixed:
         leave |= {f for d, _ in mixed for f in steps[d]}
@@ -258,12 +258,16 @@ def _committed_only(
             f"than their files (a rerun is rewriting them): {names}."
         )
     if stale:
-        n_steps = len({f.parent for f, _ in stale})
-        eg = "; ".join(f"{f.parent.name}/{f.name}: {why}" for f, why in stale[:3])
+        ranks = sorted({int(f.name[5:-8]) for f, _ in stale})
+        sizes = sorted({ws for _, ws in stale})
         notes.append(
-            f"left out {len(stale)} file(s) of an earlier run in {n_steps} captured step(s) "
-            f"(e.g. {eg}{' ...' if len(stale) > 3 else ''}). A rerun in the same directory "
-            "left them; delete them, or name one on its own to read it."
+            f"left out {len(stale)} file(s) of an earlier run in "
+            f"{len({f.parent for f, _ in stale})} captured step(s): rank(s) "
+            f"{', '.join(map(str, ranks[:8]))}{' ...' if len(ranks) > 8 else ''} at or beyond "
+            f"the world size {', '.join(map(str, sizes))} that the step's {COMMIT_MARKER} "
+            f"records (e.g. {stale[0][0].parent.name}/{stale[0][0].name}). A rerun with fewer "
+            "ranks in the same directory left them; delete them, or name one on its own to "
+            "read it."
         )
     if not pending:
         kept = [f for f in files if f not in leave]
@@ -298,37 +302,37 @@ def _committed_only(
     return kept
 
 
-def _read_marker(path: Path) -> dict:
+def _read_marker(path: Path | str) -> dict:
     """A marker's JSON object; {} for an empty or foreign one (a `touch _SUCCESS`, Spark's)."""
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read()
         out = json.loads(raw) if raw.strip() else {}
     except (OSError, ValueError):
         return {}
     return out if isinstance(out, dict) else {}
 
 
-def _current(d: Path, found: list[Path], marker: dict) -> tuple[list[tuple[Path, str]], str | None]:
-    """(files of step directory `d` to leave out, with why; a reason to skip the whole step
-    or None). The step's COMMIT_MARKER names the world size and run id that committed it
-    (a marker written before run ids has the world size alone, an empty one neither): a
-    rank at or beyond the world size is an earlier run's; so is a rank whose own marker
-    (`_SUCCESS.rank=R`) names another run. A rank below the world size with another run's
-    marker while the step's marker says complete means the step is being rewritten."""
+def _current(d: Path, found: list[Path], marker: dict) -> tuple[list[tuple[Path, int]], str | None]:
+    """(files of step directory `d` to leave out, with the world size that leaves them out;
+    a reason to skip the whole step, or None). The step's COMMIT_MARKER names the world size
+    and run id that committed it (one written before run ids has the world size alone, an
+    empty one neither): a rank at or beyond the world size is an earlier run's. A rank below
+    it whose own marker (`_SUCCESS.rank=R`) names another run, while the step's marker says
+    complete, means the step is being rewritten: the whole step is skipped."""
     ws = marker.get("world_size")
     ws = ws if isinstance(ws, int) and not isinstance(ws, bool) else None
     has_run = "run_id" in marker
     run = marker.get("run_id")
-    out: list[tuple[Path, str]] = []
+    out: list[tuple[Path, int]] = []
+    base = f"{d}{os.sep}{COMMIT_MARKER}.rank="
     for f in found:
         rank = int(f.name[len("rank=") : -len(".parquet")])
         if ws is not None and rank >= ws:
-            out.append(
-                (f, f"rank {rank} is beyond the world size {ws} of the run that committed the step")
-            )
+            out.append((f, ws))
             continue
         if has_run:
-            mine = _read_marker(d / f"{COMMIT_MARKER}.rank={rank}")
+            mine = _read_marker(f"{base}{rank}")
             if mine.get("run_id") != run or mine.get("world_size") != ws:
                 return out, (
                     f"rank {rank}'s marker names run {mine.get('run_id')} (world size "
