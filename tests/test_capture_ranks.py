@@ -478,3 +478,14 @@ def test_a_marker_of_another_run_than_a_ranks_file_skips_the_step(tmp_path):
     with pytest.raises(DataError, match="another run"), warnings.catch_warnings():
         warnings.simplefilter("ignore", ingest.IngestWarning)
         _read(tmp_path)
+
+
+def test_a_lock_file_that_cannot_be_opened_warns_and_strict_refuses(tmp_path):
+    lock_file(tmp_path, 0).mkdir()  # a directory where the lock file goes: open() fails
+    with pytest.warns(CaptureWarning, match="cannot create the rank's lock file"):
+        w = TokenWriter(tmp_path, run_id="x", fsync=False)
+    _write(w, 0)
+    w.close()
+    assert _read(tmp_path).height == _expected([0], [0])  # the log is still written
+    with pytest.raises(writer_mod.CaptureError, match="cannot create the rank's lock file"):
+        TokenWriter(tmp_path, run_id="x", fsync=False, strict=True)

@@ -481,7 +481,18 @@ class TokenWriter:
 
     def _take_lock(self) -> None:
         path = lock_file(self.root, self.rank)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:  # a read-only or foreign directory: the thread will say more
+            if self.strict:
+                raise CaptureError(f"{path}: cannot create the rank's lock file: {exc}") from exc
+            warnings.warn(
+                f"{path}: cannot create the rank's lock file ({exc}); writing without it, so a "
+                "second writer of this rank would not be detected",
+                CaptureWarning,
+                stacklevel=3,
+            )
+            return
         try:
             held = self._flock(fd)
             prev = _lock_holder(fd)
