@@ -109,7 +109,7 @@ def decisions(
     passes."""
     plan = ingest.plan_sources(sources, options)
     given = [parse_rule(r) if isinstance(r, str) else r for r in settings or []]
-    rules, pair, why, watched = decision_rules(plan.columns, given)
+    rules = decision_rules(plan.columns, given)[0]
     chosen = choose(
         plan.files,
         target_fraction,
@@ -118,6 +118,8 @@ def decisions(
         options=options,
         progress=progress,
     )
+    # a rule with no default threshold is compared and watched at the value chosen
+    _, pair, why, watched = decision_rules(plan.columns, resolve(given, chosen, []))
     at_defaults = at_budget = None
     if pair is not None:
         at_defaults = compare(plan.files, *pair, examples=5, options=options, progress=progress)
@@ -208,6 +210,48 @@ def _preset_fractions(table: pl.DataFrame) -> dict[str, float]:
     return out
 
 
+def _unset(rule: Rule) -> bool:
+    """A rule with a parameter that has no default (verl's token-k2 / token-k3: the user
+    sets hi): choose can answer for it, no figure or table can show it at a setting."""
+    return any(v is None for v in rule.values().values())
+
+
+def resolve(rules: Sequence[Rule], choices: Sequence[Choice], notes: list[str]) -> list[Rule]:
+    """The rules at a setting: each unset one (`_unset`) at the value choose found for the
+    target (a note says so); one choose could not set is left out, with a note."""
+    out = []
+    for r in rules:
+        if not _unset(r):
+            out.append(r)
+            continue
+        head = r.spec().partition(":")[0]
+        vals = {}
+        for k in (k for k, v in r.values().items() if v is None):
+            hit = [
+                c
+                for c in choices
+                if c.rule == r.name
+                and c.param == k
+                and c.spec.partition(":")[0] == head
+                and c.status != "out of range"
+            ]
+            if hit:
+                vals[k] = hit[0].value
+        if vals and all(v is not None for v in r.replace(**vals).values().values()):
+            got = r.replace(**vals)
+            out.append(got)
+            notes.append(
+                f"{head} has no default threshold: its figures and tables show it at the "
+                f"value choose found for the target, {got.spec()}."
+            )
+        else:
+            notes.append(
+                f"{head} has no default threshold and choose found none for the target: "
+                f"left out of the figures (give one: --rule {head}:PARAM=VALUE)."
+            )
+    return out
+
+
 def _at_budget(pair: tuple[Rule, Rule], given) -> tuple[Rule, Rule]:
     """The pair compared at the budget: the given pair, or by default BUDGET_PAIR (IPO in
     the stable form choose searched, and prime-rl's IcePop)."""
@@ -295,17 +339,25 @@ def report_data(
     given = [parse_rule(s) if isinstance(s, str) else s for s in settings or []]
     chosen = given or default_settings(plan.columns)
     # the rules given drive every answer; the defaults only where none are (decision_rules)
-    names, pair, why, watched_given = decision_rules(plan.columns, given)
-    lengths = length_rules(plan.columns, given or None)
+    names = decision_rules(plan.columns, given)[0]
+    # what the read holds at a setting: the rules with every parameter set (an unset one,
+    # token-k3@verl, is shown at choose's value once choose has answered: `resolve`)
+    settable = [r for r in chosen if not _unset(r)]
+    _, pair0, _, watched0 = decision_rules(plan.columns, [r for r in given if not _unset(r)])
+    lengths = length_rules(plan.columns, settable if given else None)
     unit = "sequence" if "sample_id" in plan.columns else "step"
     with engine.use_precision(precision):
         p = engine.current_precision()
+        if p is not None:  # --precision: the rules the tail and the grouped tables read too
+            chosen = [r.replace(precision=p) for r in chosen]
+            settable = [r.replace(precision=p) for r in settable]
+            lengths = [r.replace(precision=p) for r in lengths]
         sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
         cjobs = choice_jobs(names, True)  # shaped on the 1st batch
-        pair_jobs = [engine.single_job(r) for r in pair or ()]
+        pair_jobs = [engine.single_job(r) for r in pair0 or ()]
         # the chosen settings at their values: the tail then keeps their masked tokens,
         # which give the by-bucket table (TailCounts.by_q_bucket) with no Tally of its own
-        set_jobs = [engine.single_job(r) for r in chosen if r.level == "token"]
+        set_jobs = [engine.single_job(r) for r in settable if r.level == "token"]
         # ... and the by-length settings (a sequence rule's sums: verl's clamped ones)
         set_jobs += [engine.single_job(r) for r in lengths]
         # every catalogue preset at its values: the report's presets table, exact
@@ -327,15 +379,17 @@ def report_data(
             first = first_jobs(cjobs, target_fraction, sample)
             return [*sweep_jobs, *first, *extra]
 
-        watched = drift_rules(plan.columns) if watched_given is None else watched_given
-        specs = {r.spec() for r in chosen}
-        step_rules = chosen + [r for r in watched if r.spec() not in specs]
+        watched = drift_rules(plan.columns) if watched0 is None else watched0
+        if p is not None:
+            watched = [r.replace(precision=p) for r in watched]
+        specs = {r.spec() for r in settable}
+        step_rules = settable + [r for r in watched if r.spec() not in specs]
         checks = Checks(plan.columns)
         tail = engine.Tail(tail_fraction(target_fraction), count_steps=unit == "step")
         # the by-bucket table and the settings per step from the tail where the replay
         # will keep one (the fused path); else, or if it then cannot say, Tallies of their own
-        from_tail = p is None and fast.backend() == "numba"
-        bucket_part = {"rules": chosen, "by": "q_bucket", "scatter": False}
+        from_tail = p in (None, "float64") and fast.backend() == "numba"
+        bucket_part = {"rules": settable, "by": "q_bucket", "scatter": False}
         step_part = BY_STEP | ({"jobs": []} if from_tail else {"rules": step_rules})
         full, by_step, *by_bucket = engine.replay_together(
             plan,
@@ -366,9 +420,21 @@ def report_data(
             tally=full,
             curve=True,
         )
-        buckets = _bucket_table(plan, full, by_bucket, chosen, progress)
-        if from_tail:  # the settings per step from the tail too, else their own replay
-            tc = TailCounts.of(full)
+        set_notes: list[str] = []
+        resolved = resolve(chosen, choices, set_notes)
+        moved = len(resolved) != len(settable) or any(_unset(r) for r in chosen)
+        if moved:  # the rules choose set: the answers below are for them
+            _, pair, why, watched_r = decision_rules(plan.columns, resolved if given else [])
+            watched = drift_rules(plan.columns) if watched_r is None else watched_r
+            chosen = resolved
+            specs = {r.spec() for r in chosen}
+            step_rules = chosen + [r for r in watched if r.spec() not in specs]
+            lengths = length_rules(plan.columns, chosen if given else None)
+        else:
+            _, pair, why, _ = decision_rules(plan.columns, given)
+        buckets = _bucket_table(plan, full, [] if moved else by_bucket, chosen, progress)
+        if from_tail or moved:  # the settings per step from the tail too, else a replay
+            tc = TailCounts.of(full) if from_tail else None
             if tc is None or not tc.attach_by_step(step_rules, by_step):
                 by_step = engine.replay(
                     plan, rules=step_rules, progress=progress, final=True, **BY_STEP
@@ -417,7 +483,7 @@ def report_data(
         metrics=res.metrics.to_dicts()[0],
         tokens=full.report.loss_rows,
         sources=[str(x) for x in plan.files],
-        notes=list(full.notes) + ([NO_LENGTH_NOTE] if by_length is None else []),
+        notes=list(full.notes) + set_notes + ([NO_LENGTH_NOTE] if by_length is None else []),
         by_length=by_length,
         given=bool(given),
         presets=presets,

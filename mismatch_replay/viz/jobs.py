@@ -157,7 +157,11 @@ def report(
         sections = [("Decision", page.decision_html(dec))]
         if check_precision:
             check = analysis.precision_check(
-                sources, settings, precision_threshold, options=options, progress=bar
+                sources,
+                data.settings if settings else None,  # at a setting (token-k3: choose's)
+                precision_threshold,
+                options=options,
+                progress=bar,
             )
             sections.append(page.precision_section(check))
         if keep is not None:
