@@ -230,9 +230,11 @@ def _check_frames(plan, wanted: set[str]) -> Iterator[pl.DataFrame]:
 def _logs_decisions(path) -> bool:
     """Whether a token-export file's records carry `is_masked` (the exporter writes the same
     keys in every record: the first one tells)."""
+    from ..ingest.safe_read import LINE_CAP
+
     try:
         with open(path, "rb") as f:
-            for line in f:
+            while line := f.readline(LINE_CAP):  # bounded: a file without newlines
                 if line.strip():
                     return b'"is_masked"' in line
     except OSError:  # not a local file (an object-store URI): let the reader look

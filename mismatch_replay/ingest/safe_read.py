@@ -112,7 +112,7 @@ def _refuse_size(what: str, size: int, cap: int, kind: str, fix: str, error) -> 
 
 def check_file(
     path: str | os.PathLike,
-    cap: int,
+    cap: int | None,
     kind: str,
     fix: str,
     error: type[ReplayError] = DataError,
@@ -131,21 +131,22 @@ def check_file(
         raise error(f"{what}: not a valid path ({exc}).") from None
     if not stat.S_ISREG(st.st_mode):
         raise _refuse_kind(what, st.st_mode, kind, error)
-    if st.st_size > cap:
+    if cap is not None and st.st_size > cap:
         raise _refuse_size(what, st.st_size, cap, kind, fix, error)
     return st
 
 
 def open_checked(
     path: str | os.PathLike,
-    cap: int,
+    cap: int | None,
     kind: str,
     fix: str,
     error: type[ReplayError] = DataError,
     what: str | None = None,
 ):
-    """A binary file object for a regular file of at most `cap` bytes (checked before and
-    after opening; `O_NONBLOCK`, so a FIFO swapped in after the check cannot block)."""
+    """A binary file object for a regular file of at most `cap` bytes (None: any size, for a
+    reader that streams it), checked before and after opening (`O_NONBLOCK`, so a FIFO
+    swapped in after the check cannot block)."""
     what = what or str(path)
     check_file(path, cap, kind, fix, error, what)
     try:

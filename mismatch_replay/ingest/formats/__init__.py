@@ -25,8 +25,9 @@ through the same alias / `--map` / list-explode path as Parquet). `probe` and `r
 dispatch by format name; `read` projects the JSON schema to the columns wanted.
 
 The modules depend one way: base <- jsonl <- records <- nemo_rl, prime_rl; base <- slime,
-skyrl; this registry on all of them; and the formats on ingest.canonical only (for the
-`ReadReport` key of skipped records and the required columns), never on the resolution of
+skyrl; this registry on all of them; and the formats on ingest.canonical (for the
+`ReadReport` key of skipped records and the required columns) and ingest.safe_read (regular
+files only; caps on a file read whole and on one JSON line) only, never on the resolution of
 sources or the batches that use them.
 """
 

@@ -19,6 +19,7 @@ SkyRL's bfloat16 tensors only.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from ...errors import DataError
+from .. import safe_read
 from ..canonical import RECORDS
 
 F64, I64, BOOL, STR = pl.Float64, pl.Int64, pl.Boolean, pl.String
@@ -84,17 +86,19 @@ class Drops:
 
 
 def open_local(path: Path):
-    """A local file opened for reading bytes; a DataError that says why it cannot be."""
+    """A local regular file opened for reading bytes; a DataError that says why it cannot be
+    (a FIFO or a device is refused from os.stat, before any open: safe_read)."""
     try:
-        return open(path, "rb")
+        os.stat(path)
     except FileNotFoundError:
         raise DataError(
             f"{path}: the file disappeared before it could be read (it was listed a moment "
             "ago). Is the trainer still writing or rotating its logs? Wait for the step to "
             "finish, or leave the file out."
         ) from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open it ({exc}). Check permissions.") from exc
+    except OSError:
+        pass  # open_checked says what it is
+    return safe_read.open_checked(path, None, "token log", "", DataError)
 
 
 def file_size(path: Path) -> int:
@@ -130,6 +134,9 @@ def floats(v, n: int | None = None) -> np.ndarray:
 
         return v.detach().to(device="cpu", dtype=torch.float64).reshape(-1).numpy()
     if isinstance(v, list | tuple):  # a null in a list reads as NaN (tensors have no null)
+        nested = set(map(type, v)) & {list, tuple, dict}
+        if nested:  # polars takes seconds to refuse a deeply nested list (18 s at depth 471)
+            raise TypeError(f"expected numbers, found a {nested.pop().__name__} in the list")
         s = pl.Series(values=list(v), dtype=F64, strict=True)
         return s.fill_null(math.nan).to_numpy()
     if isinstance(v, int | float) and not isinstance(v, bool) and n is not None:

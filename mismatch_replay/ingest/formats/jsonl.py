@@ -18,6 +18,13 @@ rows of lists). `probe_jsonl` takes the schema from the first record, with the d
 known canonical role fixed (`_ROLE_TYPES`: a log-prob written as `0` is still a float).
 Plain JSONL token rows read at ~0.2M tokens/s on 2 shared cores. The framework JSON-lines
 formats (records.py) parse their blocks with the same `parse_block`.
+
+Hostile input (issue 37): a file is opened only when `os.stat` says it is a regular file (a
+FIFO would block, `/dev/zero` never ends: `base.open_local`), and one line is at most
+`safe_read.LINE_CAP` (256 MB; a prime-rl record of a 128k-token sequence is ~25 MB), so a
+file without newlines is refused at the cap instead of read into memory whole. A line nested
+deeper than the standard library's parser follows (RecursionError) is a bad record like any
+line that is not JSON (polars refuses such a block first: its depth limit is 128).
 """
 
 from __future__ import annotations
@@ -31,11 +38,22 @@ from pathlib import Path
 import polars as pl
 
 from ...errors import DataError
+from ..safe_read import line_cap, line_too_long
 from .base import BOOL, F64, I64, STR, Drops, Probe, estimate_rows, open_local
 
 
+def loads(raw: bytes):
+    """One JSON line -> its value; ValueError (with the reason) when it cannot be."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested deeper than the JSON parser follows") from None
+
+
 def blocks(path: Path, block_bytes: int) -> Iterator[tuple[bytes, int]]:
-    """(block of whole lines, number of its first line); the last line may lack a newline."""
+    """(block of whole lines, number of its first line); the last line may lack a newline.
+    A line longer than `safe_read.line_cap()` is refused (a file without newlines)."""
+    cap = line_cap()
     with open_local(path) as f:
         line = 1
         tail = b""
@@ -54,9 +72,13 @@ def blocks(path: Path, block_bytes: int) -> Iterator[tuple[bytes, int]]:
             data = tail + data
             cut = data.rfind(b"\n")
             if cut < 0:
+                if len(data) > cap:
+                    raise line_too_long(path, line, cap)
                 tail = data
                 continue
             block, tail = data[: cut + 1], data[cut + 1 :]
+            if len(tail) > cap:
+                raise line_too_long(path, line + block.count(b"\n"), cap)
             yield block, line
             line += block.count(b"\n")
 
@@ -76,28 +98,38 @@ def json_lines(path: Path, drops: Drops) -> Iterator[tuple[int, object]]:
     for block, first_line in blocks(path, 16 << 20):
         for n, raw in zip(record_lines(block, first_line), _lines(block), strict=True):
             try:
-                yield n, json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
+                obj = loads(raw)
+            except ValueError as exc:
                 drops.bad(f"line {n}", "not valid JSON", f"not valid JSON ({exc})")
+                continue
+            yield n, obj
 
 
 def first_record(path: Path, drop: bool) -> tuple[dict, int, int] | None:
-    """(first parseable JSON object, its line number, its size in bytes); None: no record."""
+    """(first parseable JSON object, its line number, its size in bytes); None: no record.
+    Reads line by line, each at most `safe_read.line_cap()` bytes."""
     drops = Drops(path, drop, report=None)  # the read counts drops; the probe only peeks
+    cap = line_cap()
     with open_local(path) as f:
-        for n, raw in enumerate(f, start=1):
+        n = 0
+        while True:
+            raw = f.readline(cap + 1)
+            if not raw:
+                return None
+            n += 1
+            if len(raw) > cap and not raw.endswith(b"\n"):
+                raise line_too_long(path, n, cap)
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
+                obj = loads(raw)
+            except ValueError as exc:
                 drops.bad(f"line {n}", "not valid JSON", f"not valid JSON ({exc})")
                 continue
             if not isinstance(obj, dict):
                 drops.bad(f"line {n}", "not a JSON object", "not a JSON object")
                 continue
             return obj, n, len(raw)
-    return None
 
 
 def value_dtype(v) -> pl.DataType | None:
@@ -213,7 +245,10 @@ def _coerce(v, dtype: pl.DataType):
 
 
 def _short(v) -> str:
-    s = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)
+    try:
+        s = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)
+    except (RecursionError, ValueError, TypeError):  # too deep to show
+        return f"a {type(v).__name__}"
     return s if len(s) <= 40 else s[:37] + "..."
 
 
@@ -239,8 +274,8 @@ def parse_block(
     records = (r for r in block.split(b"\n") if r.strip())
     for k, (raw, line) in enumerate(zip(records, lines, strict=True)):
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            obj = loads(raw)
+        except ValueError as exc:
             drops.bad(f"line {line}", "not valid JSON", f"not valid JSON ({exc})")
             continue
         if not isinstance(obj, dict):

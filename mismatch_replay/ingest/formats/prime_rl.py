@@ -43,6 +43,13 @@ numbers the (trace, branch) pairs in stream order; `env` is the episode's `env.n
 `env.id`). The annotations are indexed before the stream is read: 8 bytes per annotated
 value (one per stream and token).
 
+Hostile or broken input (issue 37): the annotations are held in memory (about their size on
+disk), so together they are capped at `safe_read.data_cap()` (4 GB; MISMATCH_REPLAY_MAX_FILE_MB
+raises it); each file is a regular file, each line at most `safe_read.LINE_CAP`; a stream or
+update line whose structure is not a trace's (a node that is not an object, arrays of the
+wrong type, nesting the parser cannot follow) is a bad record naming its line, never a
+traceback.
+
 On 2 shared cores the export reads at ~0.4M tokens/s (~200 bytes of JSON a token: every key
 of the exporter), the traces at ~0.2M tokens/s (the standard library's JSON parser on whole
 episode records).
@@ -59,6 +66,7 @@ import numpy as np
 import polars as pl
 
 from ...errors import DataError
+from .. import safe_read
 from .base import (
     BOOL,
     CAPTURE_HINT,
@@ -190,6 +198,23 @@ def _prime_ce_tokens(rec: dict) -> int:
 
 
 _STREAMS = ("trainer_logprobs", "entropies", "advantages", "is_masked")
+# what a line whose structure is not a trace's raises in the code below (a node that is not
+# an object, a mask of strings, an index that is a list ...): a bad record, never a traceback
+_MALFORMED = (
+    TypeError,
+    ValueError,
+    AttributeError,
+    KeyError,
+    IndexError,
+    RecursionError,
+    pl.exceptions.PolarsError,
+)
+
+
+def _malformed(exc: BaseException) -> str:
+    return f"its structure is not a trace's ({type(exc).__name__}: {str(exc)[:120]})"
+
+
 _TRACES_HINT = (
     "prime-rl's file monitor writes <run>/monitors/file/traces/stream.jsonl and its RL trainer "
     "the annotations beside it (traces/annotations/trainer.jsonl, PR #3444)"
@@ -248,9 +273,29 @@ def load_annotations(stream: Path, drop: bool = False) -> _Annotations:
     """Fold every producer's update records (file order, newest wins), as prime-rl's
     `fold_trace_updates` does onto the stream. The last stream's annotations are cached."""
     files = _annotation_files(stream)
-    key = (str(stream), drop, *((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files))
+    stats = []
+    for p in files:
+        try:
+            stats.append(p.stat())
+        except OSError as exc:
+            raise DataError(f"{p}: cannot read it ({exc.strerror or exc}).") from None
+    key = (
+        str(stream),
+        drop,
+        *((str(p), st.st_mtime_ns, st.st_size) for p, st in zip(files, stats, strict=True)),
+    )
     if key in _ANNOTATION_CACHE:
         return _ANNOTATION_CACHE[key]
+    cap = safe_read.data_cap()
+    total = sum(st.st_size for st in stats)
+    if total > cap:
+        raise DataError(
+            f"{stream.parent / 'annotations'}: {len(files)} annotation file(s) of "
+            f"{safe_read.size_text(total)} in all, over the {safe_read.size_text(cap)} limit for "
+            "the annotations, which are held in memory while the stream is read (about their "
+            f"size on disk). Set {safe_read.ENV_CAP} to a larger number of megabytes on a "
+            "machine with the memory, or read a run with fewer steps."
+        )
     branches: dict[str, dict[int, dict[str, np.ndarray]]] = {}
     info: dict[str, dict] = {}
     seen = _SkipCounts()
@@ -266,7 +311,12 @@ def load_annotations(stream: Path, drop: bool = False) -> _Annotations:
                 )
                 continue
             if isinstance(upd.get("info"), dict) and upd["info"]:
-                info[tid] = _deep_merge(info.get(tid, {}), upd["info"])
+                try:
+                    merged = _deep_merge(info.get(tid, {}), upd["info"])
+                except RecursionError:
+                    drops.bad(f"line {n}", "not a trace update", "info nested too deep to merge")
+                    continue
+                info[tid] = merged
             for br in upd.get("branches") or []:
                 idx = br.get("index") if isinstance(br, dict) else None
                 if not isinstance(idx, int) or isinstance(idx, bool):
@@ -369,11 +419,15 @@ def _trace_records(obj) -> list[tuple[dict, dict]] | None:
     return None
 
 
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
 def _trace_step(episode: dict, info: dict) -> int:
-    train = info.get("train") if isinstance(info.get("train"), dict) else {}
+    train = _dict(info.get("train"))
     for v in (
         train.get("trained_at_step"),
-        ((episode.get("run") or {}).get("work") or {}).get("step"),
+        _dict(_dict(episode.get("run")).get("work")).get("step"),
     ):
         if isinstance(v, int) and not isinstance(v, bool):
             return v
@@ -381,8 +435,9 @@ def _trace_step(episode: dict, info: dict) -> int:
 
 
 def _env_name(episode: dict) -> str | None:
-    env = episode.get("env") if isinstance(episode.get("env"), dict) else {}
-    return env.get("name") or env.get("id") or None
+    env = _dict(episode.get("env"))
+    name = env.get("name") or env.get("id") or None
+    return name if isinstance(name, str) else None if name is None else str(name)
 
 
 def _branch_tokens(
@@ -464,10 +519,12 @@ def probe_traces(path: Path, drop: bool) -> Probe | None:
     if not adv:
         first = first_record(path, drop)
         pairs = _trace_records(first[0]) if first else None
+        nodes = [t.get("nodes") for _, t in pairs or []]
         adv = any(
             node.get("advantages")
-            for _, t in pairs or []
-            for node in t.get("nodes") or []
+            for ns in nodes
+            if isinstance(ns, list)
+            for node in ns
             if isinstance(node, dict)
         )
     if adv:
@@ -475,6 +532,52 @@ def probe_traces(path: Path, drop: bool) -> Probe | None:
     if any("entropies" in s for s in streams):
         columns["entropy"] = False
     return Probe(columns=columns, schema={}, rows=ann.tokens)
+
+
+def _line_branches(n: int, obj, ann: _Annotations, drops: Drops, seen: set[str]) -> list:
+    """(token arrays, step, env) of each annotated branch of one stream line, in order; a
+    branch that does not fit its annotations is a bad record (`drops`)."""
+    pairs = _trace_records(obj)
+    if pairs is None:
+        drops.bad(
+            f"line {n}",
+            "not an episode record",
+            "neither an episode record (key 'traces') nor a trace (key 'nodes')",
+        )
+        return []
+    out = []
+    for episode, trace in pairs:
+        tid = trace.get("id")
+        todo = ann.branches.get(tid) if isinstance(tid, str) else None
+        if not todo:
+            continue  # never trained on (eval, filtered, still in flight)
+        seen.add(tid)
+        nodes = trace.get("nodes") or []
+        if not isinstance(nodes, list) or not all(isinstance(x, dict) for x in nodes):
+            drops.bad(f"line {n}", "not an episode record", f"trace {tid}: nodes are not objects")
+            continue
+        paths = _leaf_paths(nodes)
+        step = _trace_step(episode, ann.info.get(tid, {}))
+        env = _env_name(episode)
+        for b in sorted(todo):
+            if not 0 <= b < len(paths):
+                drops.bad(
+                    f"line {n}",
+                    "branch not in the trace",
+                    f"trace {tid}: the annotations name branch {b}, the trace has "
+                    f"{len(paths)} branch(es)",
+                )
+                continue
+            toks = _branch_tokens([nodes[i] for i in paths[b]], todo[b])
+            if isinstance(toks, str):
+                drops.bad(
+                    f"line {n}",
+                    "branch and stream disagree",
+                    f"trace {tid}, branch {b}: {toks}",
+                )
+                continue
+            out.append((toks, step, env))
+    return out
 
 
 def read_traces(
@@ -495,54 +598,25 @@ def read_traces(
     buf: dict[str, list[np.ndarray]] = {}
     nbuf = 0
     for n, obj in json_lines(path, drops):
-        pairs = _trace_records(obj)
-        if pairs is None:
-            drops.bad(
-                f"line {n}",
-                "not an episode record",
-                "neither an episode record (key 'traces') nor a trace (key 'nodes')",
-            )
+        try:
+            found = _line_branches(n, obj, ann, drops, seen)
+        except _MALFORMED as exc:
+            drops.bad(f"line {n}", "not an episode record", _malformed(exc))
             continue
-        for episode, trace in pairs:
-            tid = trace.get("id")
-            todo = ann.branches.get(tid) if isinstance(tid, str) else None
-            if not todo:
-                continue  # never trained on (eval, filtered, still in flight)
-            seen.add(tid)
-            nodes = trace.get("nodes") or []
-            paths = _leaf_paths(nodes)
-            step = _trace_step(episode, ann.info.get(tid, {}))
-            env = _env_name(episode)
-            for b in sorted(todo):
-                if not 0 <= b < len(paths):
-                    drops.bad(
-                        f"line {n}",
-                        "branch not in the trace",
-                        f"trace {tid}: the annotations name branch {b}, the trace has "
-                        f"{len(paths)} branch(es)",
-                    )
-                    continue
-                toks = _branch_tokens([nodes[i] for i in paths[b]], todo[b])
-                if isinstance(toks, str):
-                    drops.bad(
-                        f"line {n}",
-                        "branch and stream disagree",
-                        f"trace {tid}, branch {b}: {toks}",
-                    )
-                    continue
-                if not checks:
-                    toks.pop("logged_is_masked", None)
-                size = toks["position"].size
-                toks["step"] = np.full(size, step, np.int64)
-                toks["sample_id"] = np.full(size, sample, np.int64)
-                toks["env"] = np.full(size, env, dtype=object)
-                sample += 1
-                for k, v in toks.items():
-                    buf.setdefault(k, []).append(v)
-                nbuf += size
-                if nbuf >= batch_rows:
-                    yield frame(_concat(buf), wanted)
-                    buf, nbuf = {}, 0
+        for toks, step, env in found:
+            if not checks:
+                toks.pop("logged_is_masked", None)
+            size = toks["position"].size
+            toks["step"] = np.full(size, step, np.int64)
+            toks["sample_id"] = np.full(size, sample, np.int64)
+            toks["env"] = np.full(size, env, dtype=object)
+            sample += 1
+            for k, v in toks.items():
+                buf.setdefault(k, []).append(v)
+            nbuf += size
+            if nbuf >= batch_rows:
+                yield frame(_concat(buf), wanted)
+                buf, nbuf = {}, 0
     if nbuf:
         yield frame(_concat(buf), wanted)
     missing = [t for t in ann.branches if t not in seen]

@@ -238,6 +238,19 @@ def _explode(
     rec = rec.filter(pl.col(ref).list.len() > 0)
     if rec.height == 0:
         return pl.DataFrame(schema={c: CANON_TYPES[c] for c in FRAMEWORK_BASE})
+    # an optional array a record leaves out (or writes as null) is null on each of its tokens:
+    # exploding a null list beside full ones would be a polars ShapeError (issue 29)
+    n = pl.col(ref).list.len()
+    rec = rec.with_columns(
+        [
+            pl.when(pl.col(k).is_null())
+            .then(pl.lit(None, dtype=rec.schema[k].inner).repeat_by(n))
+            .otherwise(pl.col(k))
+            .alias(k)
+            for k in arrays
+            if k not in spec.required
+        ]
+    )
     rec = rec.with_columns(_idx=pl.int_ranges(0, pl.col(ref).list.len(), dtype=I64))
     tok = rec.explode([*arrays, "_idx"])
     cols = tok.columns

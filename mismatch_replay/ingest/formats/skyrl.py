@@ -17,12 +17,25 @@ response_mask.sum()`; the rows SkyRL appends as DP padding (`metadata["pad_size"
 left out. The step is N from the file name. The last file loaded is cached for the read
 after the probe. Reads at ~3.5M tokens/s on 2 shared cores (numpy straight from the pickled
 bytes).
+
+A pickle is a program: `pickle.load` of a file from elsewhere runs whatever code the file
+names, which is why the unpickler above resolves only SkyRL's own names to inert stand-ins.
+The file is also bounded before any of it is run (issue 37): a regular file only (`os.stat`
+first: a FIFO or `/dev/zero` is refused), at most `safe_read.data_cap()` bytes (4 GB: one
+SkyRL step is tens to hundreds of MB; MISMATCH_REPLAY_MAX_FILE_MB raises it), memory-mapped
+(a length the file declares is never allocated beyond what it holds), and walked with
+`pickletools.genops` first, which runs nothing: at most `MAX_PICKLE_OPS` opcodes (a tensor
+is a few) and no memo index past the opcodes before it (a 9-byte pickle putting memo slot
+2**28 makes the C unpickler allocate 4 GB). Anything the unpickler or the stand-ins then
+raise is a DataError naming the file.
 """
 
 from __future__ import annotations
 
 import io as _bytesio
+import mmap
 import pickle
+import pickletools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +44,7 @@ import numpy as np
 import polars as pl
 
 from ...errors import DataError
+from .. import safe_read
 from .base import CAPTURE_HINT, FRAMEWORK_BASE, Probe, frame, import_torch
 
 DUMP_FILE = re.compile(r"global_step_(\d+)_training_input\.pkl")
@@ -61,6 +75,14 @@ _SKYRL_HINT = (
 )
 
 
+MAX_PICKLE_OPS = 1_000_000  # opcodes in a SkyRL batch pickle (each tensor is a few)
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global the restricted unpickler does not resolve (its text: module.name)."""
+
+
 class _SkyRLClass:
     """What the unpickler hands back for SkyRL's batch classes: a name, never the class."""
 
@@ -71,7 +93,7 @@ class _SkyRLClass:
 def _skyrl_rebuild(cls, state):
     """Stand-in for `_rebuild_tensor_batch(cls, state)`: keeps the state, builds nothing."""
     if not isinstance(cls, _SkyRLClass) or not isinstance(state, dict):
-        raise pickle.UnpicklingError("_rebuild_tensor_batch called with something else")
+        raise _Refused("_rebuild_tensor_batch called with something else")
     return {"__skyrl_batch__": cls.name, **state}
 
 
@@ -96,16 +118,43 @@ class _SkyRLUnpickler(pickle.Unpickler):
             import importlib
 
             return getattr(importlib.import_module(target[0]), target[1])
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
 
 _SKYRL_CACHE: dict[tuple, dict] = {}
 
 
+def _check_ops(path: Path, f) -> None:
+    """Walk the pickle's opcodes without running any: at most MAX_PICKLE_OPS, and no memo
+    slot past the opcodes before it (the C unpickler grows its memo to the index)."""
+    ops = 0
+    try:
+        for op, arg, _pos in pickletools.genops(f):
+            ops += 1
+            if ops > MAX_PICKLE_OPS:
+                raise DataError(
+                    f"{path}: the pickle has more than {MAX_PICKLE_OPS:,} opcodes; a SkyRL "
+                    "batch's tensors are a few each, so this is not one (or holds Python "
+                    f"objects where tensors belong). {_SKYRL_HINT}; {CAPTURE_HINT}."
+                )
+            if op.name in _MEMO_PUTS and isinstance(arg, int) and arg > ops:
+                raise DataError(
+                    f"{path}: the pickle stores memo slot {arg:,} after {ops:,} opcodes, "
+                    "which no pickler writes (it would make the unpickler allocate that "
+                    f"many slots): not a SkyRL dump. {_SKYRL_HINT}."
+                )
+            if op.name == "STOP":
+                return
+    except (ValueError, EOFError, UnicodeDecodeError) as exc:
+        raise DataError(
+            f"{path}: not a readable pickle ({str(exc)[:160]}). Is it complete? {_SKYRL_HINT}."
+        ) from None
+
+
 def load_skyrl(path: Path) -> dict:
     """The state of a pickled SkyRL TrainingInputBatch: `batch_dict` (key -> serialized tensor
     or None), `batch_size`, `metadata`. The last file loaded is kept for the read after the
-    probe."""
+    probe. Bounded and restricted before anything runs (module docstring)."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -113,23 +162,41 @@ def load_skyrl(path: Path) -> dict:
             f"{path}: the file disappeared before it could be read (it was listed a moment "
             "ago). Is the trainer still writing? Wait for it, or leave the file out."
         ) from None
+    except OSError:
+        st = None  # check_file says why
+    cap = safe_read.data_cap()
+    fix = (
+        f"One SkyRL step is tens to hundreds of MB; set {safe_read.ENV_CAP} to a larger number "
+        "of megabytes to read a bigger one on a machine with the memory."
+    )
+    st = safe_read.check_file(path, cap, "SkyRL batch pickle", fix, DataError)
     key = (str(path), st.st_mtime_ns, st.st_size)
     if key in _SKYRL_CACHE:
         return _SKYRL_CACHE[key]
+    if st.st_size == 0:
+        raise DataError(f"{path}: an empty file, not a pickled SkyRL batch. {_SKYRL_HINT}.")
     try:
-        with open(path, "rb") as f:
-            obj = _SkyRLUnpickler(f).load()
+        with (
+            safe_read.open_checked(path, cap, "SkyRL batch pickle", fix, DataError) as f,
+            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+        ):
+            _check_ops(path, mm)
+            mm.seek(0)
+            obj = _SkyRLUnpickler(mm).load()
     except FileNotFoundError:
         raise DataError(f"{path}: the file disappeared while being read.") from None
-    except pickle.UnpicklingError as exc:
+    except _Refused as exc:
         what = str(exc).strip() or "an object"
         raise DataError(
             f"{path}: the pickle names {what[:120]}, which is not part of a SkyRL "
-            "TrainingInputBatch dump (tensors, numpy arrays, dicts, lists). mismatch-replay "
-            "never unpickles arbitrary objects, so the file is not read. If it is a SkyRL dump "
-            f"of another version, re-save the batch as plain tensors, {CAPTURE_HINT}."
+            "TrainingInputBatch dump (tensors, numpy arrays, dicts, lists). A pickle can run "
+            "any code it names, so mismatch-replay never unpickles arbitrary objects and the "
+            "file is not read. If it is a SkyRL dump of another version, re-save the batch as "
+            f"plain tensors, {CAPTURE_HINT}."
         ) from None
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, OSError) as exc:
+    except DataError:
+        raise
+    except Exception as exc:  # whatever an untrusted pickle makes the unpickler raise
         raise DataError(
             f"{path}: cannot read it as a pickled SkyRL batch ({type(exc).__name__}: "
             f"{str(exc)[:160]}). Is it complete? {_SKYRL_HINT}."
@@ -160,6 +227,8 @@ def _skyrl_tensor(path: Path, obj: dict, key: str) -> np.ndarray | None:
             t = torch.load(_bytesio.BytesIO(v["data"]), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise DataError(f"{path}: batch key '{key}': unreadable tensor ({exc}).") from None
+        if not isinstance(t, torch.Tensor):
+            raise DataError(f"{path}: batch key '{key}' holds a {type(t).__name__}, not a tensor.")
         return t.detach().to(dtype=torch.float64).numpy()
     if fmt != "numpy":
         raise DataError(
@@ -212,14 +281,23 @@ def _skyrl_arrays(path: Path, obj: dict) -> dict[str, np.ndarray]:
             + ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items())
             + "), so tokens cannot be aligned. Expected (batch, max_response) for each."
         )
-    meta = obj.get("metadata") or {}
-    rows = lp.shape[0] - int(meta.get("pad_size", 0) or 0)  # DP padding rows at the end
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    pad = meta.get("pad_size", 0) or 0
+    if isinstance(pad, bool) or not isinstance(pad, int | np.integer) or not 0 <= pad <= len(lp):
+        raise DataError(
+            f"{path}: metadata pad_size = {str(pad)[:40]!r}, not a count of padding rows between "
+            f"0 and the batch's {len(lp)} rows. {_SKYRL_HINT}."
+        )
+    rows = lp.shape[0] - int(pad)  # DP padding rows at the end
     out = {"lp": lp[:rows], "lq": lq[:rows], "lm": lm[:rows], "rm": rm[:rows] != 0}
     if adv is not None:
         out["adv"] = adv[:rows]
     if am is not None:
-        if am.shape[0] != lp.shape[0]:
-            raise DataError(f"{path}: attention_mask has {am.shape[0]} rows, not {lp.shape[0]}.")
+        if am.ndim != 2 or am.shape[0] != lp.shape[0]:
+            raise DataError(
+                f"{path}: attention_mask has shape {tuple(am.shape)}, not ({lp.shape[0]}, "
+                "sequence length)."
+            )
         out["am"] = am[:rows]
     return out
 

@@ -16,7 +16,9 @@ numbers is ever unpickled, and tensors are paged in on use. torch is imported on
 demand. `--dump-details DIR` also writes `DIR/rollout_data/{id}.pt` (the sampler's samples, no
 trainer log-probs): sources.py skips those with a note (`is_slime_rollout_dump`), and one read
 on its own is refused with the way to the train dumps. Reads at ~0.44M tokens/s on 2 shared
-cores (torch's safe unpickler, ~0.3 ms a tensor, dominates when samples are short).
+cores (torch's safe unpickler, ~0.3 ms a tensor, dominates when samples are short). A dump
+is a regular file of at most `safe_read.data_cap()` bytes (4 GB; MISMATCH_REPLAY_MAX_FILE_MB
+raises it), checked with `os.stat` before torch opens it (issue 37).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import polars as pl
 
 from ...errors import DataError
+from .. import safe_read
 from .base import CANON_TYPES, FRAMEWORK_BASE, Drops, Probe, floats, import_torch
 
 SLIME_TOP = ("format_version", "rollout_id", "samples")
@@ -51,12 +54,20 @@ def is_slime_rollout_dump(path: Path) -> bool:
 
 def load_slime(path: Path) -> dict:
     """Load a slime dump safely (weights_only: tensors, lists, dicts, numbers; no code)."""
-    torch = import_torch()
     if not path.exists():
         raise DataError(
             f"{path}: the file disappeared before it could be read (it was listed a moment "
             "ago). Is the trainer still writing? Wait for it, or leave the file out."
         )
+    safe_read.check_file(
+        path,
+        safe_read.data_cap(),
+        "slime train dump",
+        "One slime rollout's dump is tens to hundreds of MB; set "
+        f"{safe_read.ENV_CAP} to a larger number of megabytes to read a bigger one.",
+        DataError,
+    )
+    torch = import_torch()
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -73,10 +84,12 @@ def load_slime(path: Path) -> dict:
             f"({first[:200]}). mismatch-replay loads .pt files with weights_only=True and "
             "never unpickles arbitrary objects: re-save the samples as plain tensors/lists."
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except DataError:
+        raise
+    except Exception as exc:  # whatever a broken or hostile file makes torch.load raise
         raise DataError(
-            f"{path}: cannot read it as a torch.save file ({str(exc)[:200]}). Is it complete? "
-            f"{_SLIME_HINT}."
+            f"{path}: cannot read it as a torch.save file ({type(exc).__name__}: "
+            f"{str(exc)[:200]}). Is it complete? {_SLIME_HINT}."
         ) from None
     if not isinstance(obj, dict) or "samples" not in obj or "rollout_id" not in obj:
         found = ", ".join(sorted(map(str, obj))) if isinstance(obj, dict) else type(obj).__name__
