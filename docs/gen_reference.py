@@ -12,9 +12,11 @@ Design
   `<!-- options:start -->` and `<!-- options:end -->`: the command's usage, its help text and
   its options, from the definitions `--help` prints.
 
-* With `--examples`, also the block between `<!-- emit:start -->` and `<!-- emit:end -->` in
-  each framework page: `choose --from-config tests/configs/<framework> -t 0.01 --emit` run on
-  the golden log (a few seconds each, so not part of the check).
+* With `--examples`, also the examples: the block between `<!-- emit:start -->` and
+  `<!-- emit:end -->` in each framework page (`choose --from-config tests/configs/<framework>
+  -t 0.01 --emit` on the golden log) and each `<!-- example:NAME:start -->` block of
+  `EXAMPLES` (README.md's and the command pages'), each command run again (a few seconds
+  each, so not part of the check).
 
 Run `python docs/gen_reference.py` after changing a rule, a preset or a command's options;
 `python docs/gen_reference.py --check` exits 1 naming the pages that are out of date (the
@@ -256,6 +258,92 @@ def command_options(name: str) -> str:
     return "\n".join(out)
 
 
+# name -> (page, command line as shown, lines kept: None for all, or (first n, "regex" from
+# which every line is kept again)); run by `--examples` in the repository root at 100 columns
+EXAMPLES = {
+    "readme-sweep": (
+        "README.md",
+        "mismatch-replay sweep tests/data/golden_log.parquet \\\n"
+        "      -r ipo -r icepop@prime-rl -r kpop@prime-rl --sweep eps=0.05,0.1,0.3",
+        None,
+    ),
+    "readme-choose": (
+        "README.md",
+        "mismatch-replay choose data/sample_drift.parquet -t 0.0025 -r ipo -r icepop@prime-rl"
+        " -r kpop@prime-rl",
+        None,
+    ),
+    "inspect": (
+        "commands/inspect.md",
+        "mismatch-replay inspect tests/data/golden_log.parquet",
+        None,
+    ),
+    "check": (
+        "commands/check.md",
+        "mismatch-replay check tests/data/golden_log.parquet --max kl_k3=0.01 \\\n"
+        "      --max mismatch_kl/all/max=5 -r ipo:eps=0.3 --max-masked 0.01 --per-step",
+        None,
+    ),
+    "rules": ("commands/rules.md", "mismatch-replay rules", (12, None)),
+    "sweep": (
+        "commands/sweep.md",
+        "mismatch-replay sweep tests/data/golden_log.parquet \\\n"
+        "      -r ipo -r icepop@prime-rl -r kpop@prime-rl --sweep eps=0.05,0.1,0.3",
+        None,
+    ),
+    "choose": (
+        "commands/choose.md",
+        "mismatch-replay choose data/sample_drift.parquet -t 0.0025 -r ipo -r icepop@prime-rl"
+        " -r kpop@prime-rl",
+        None,
+    ),
+    "compare": (
+        "commands/compare.md",
+        "mismatch-replay compare data/sample_drift.parquet -r ipo -r icepop@prime-rl"
+        " --budget 0.0025",
+        None,
+    ),
+    "drift": (
+        "commands/drift.md",
+        "mismatch-replay drift data/sample_drift.parquet",
+        (11, r"^drift: "),
+    ),
+    "demo": ("commands/demo.md", "mismatch-replay demo -o demo", None),  # in a scratch dir
+}
+
+
+def run_example(name: str) -> str:
+    """An example command run as a user would (stdout and stderr in the order written), as a
+    console block; a non-zero exit status is shown as `echo $?` does."""
+    import os
+    import shlex
+    import subprocess
+    import tempfile
+
+    _, shown, keep = EXAMPLES[name]
+    argv = shlex.split(shown.replace("\\\n", " "))
+    env = dict(os.environ, COLUMNS="100", PYTHONUNBUFFERED="1", NO_COLOR="1")
+    with tempfile.TemporaryDirectory() as scratch:  # demo writes into the working directory
+        res = subprocess.run(
+            argv,
+            cwd=scratch if name == "demo" else DOCS.parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    lines = [ln.rstrip() for ln in res.stdout.rstrip("\n").split("\n")]
+    if keep is not None:
+        first, again = keep
+        tail = []
+        if again is not None:
+            start = next(i for i, ln in enumerate(lines) if re.match(again, ln))
+            tail = lines[max(start, first) :]
+        lines = [*lines[:first], "  ...", *tail]
+    status = [] if res.returncode == 0 else ["$ echo $?", str(res.returncode)]
+    return "\n".join(["```console", f"$ {shown}", *lines, *status, "```"])
+
+
 def emit_example(framework: str) -> str:
     """`choose --from-config ... --emit FRAMEWORK` on the golden log: the command and the
     first block of its answer, as a console block."""
@@ -301,6 +389,11 @@ def pages(records: list[dict] | None = None, examples: bool = False) -> dict[Pat
         if examples and name == "choose":
             text = replace_block(text, "emit", emit_example("prime-rl"), page)
         out[page] = text
+    if examples:
+        for name, (rel, _, _) in EXAMPLES.items():
+            page = DOCS.parent / rel if rel == "README.md" else DOCS / rel
+            text = out.get(page) or page.read_text()
+            out[page] = replace_block(text, f"example:{name}", run_example(name), page)
     return out
 
 
