@@ -173,6 +173,13 @@ def test_report_data_from_verl_config_follows_its_rules(verl_log):
     assert [r.spec() for r in kw["extra"]] == [cfg.specs()[1]]  # token-MIS's cone alone
     assert set(data.by_length["rule"].unique()) == {"token-mis", "seq-max-k2"}
     assert panel_rules(data.settings, data.given) == ["seq-max-k2", "tis", "token-mis"]
+    from mismatch_replay.viz import report as page
+
+    assert "rules given" in page._caption("scatter", data)  # not "the IPO band"
+    assert "IPO" not in page._caption("scatter", data)
+    html = page.decision_html(dec)
+    assert "IPO and IcePop" not in html and "token-mis@verl-k1 and seq-max-k2@verl" in html
+    assert "its upper bound" in html and "<td>seq-max-k2@verl</td>" in html
     # the presets table: exact counts (seq-MIS verl from the replay equals a sweep's)
     got = data.presets["seq-mis:low=0.5,high=2"]
     want = analysis.choose([verl_log], None, ["seq-mis:low=0.5,high=2"], bootstrap=0)[0]
@@ -263,6 +270,11 @@ def test_tables_print_the_spec_given():
     )
     flat = " ".join(out.stdout.split())
     assert "B = icepop@prime-rl with its upper bound high moved to 1.051 (low=0.2 kept)" in flat
+    out = r.invoke(
+        app, ["drift", GOLDEN, "-r", "token-mis@verl", "-r", "icepop@verl:low=0.3"], env=env
+    )
+    flat = " ".join((out.stdout + out.stderr).split())
+    assert "token-mis@verl: no drift" in flat and "icepop@verl [low=0.3]: no drift" in flat
 
 
 def test_check_per_step_json_lists_every_violating_step():

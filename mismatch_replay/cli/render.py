@@ -272,6 +272,13 @@ def given_label(spec: str, exclude: str | None = None) -> str:
     return head + (f" [{', '.join(shown)}]" if shown else "")
 
 
+def given_spec(spec: str) -> str:
+    """`given_label` as a SPEC: 'icepop@verl:low=0.5,high=5' -> 'icepop@verl',
+    'icepop@verl:low=0.3,high=5' -> 'icepop@verl:low=0.3'."""
+    head, _, rest = given_label(spec).partition(" [")
+    return head + (":" + rest[:-1].replace(", ", ",") if rest else "")
+
+
 def budget_side(param: str) -> str:
     """Which side of a rule a parameter bounds, in words: 'high' -> 'its upper bound'."""
     if param in ("high", "hi", "cap", "eps_high", "tau", "phi", "delta", "c") or param.endswith(
@@ -665,7 +672,7 @@ def print_drift(res) -> None:
 
     def masked(cols: list[str]) -> Table:
         m = Table(title="masked fraction per step", show_edge=False)
-        for c in ["step", *[spec_header(x) for x in cols], "flag"]:
+        for c in ["step", *[spec_header(given_spec(x)) for x in cols], "flag"]:
             m.add_column(escape(c), justify="right", overflow="fold")
         for r, flag in zip(res.steps, flags, strict=True):
             add_row(m, str(r.step), *[pct(r.masked[x]) for x in cols], flag)
@@ -689,7 +696,7 @@ def print_drift(res) -> None:
             )
         elif ratio:
             ratio += ")"
-        say(f"  {v.rule}: {v.verdict}{ratio}")
+        say(f"  {given_label(v.rule)}: {v.verdict}{ratio}")
     for s in res.spikes:
         toks = "; ".join(
             f"k3={x['k3']:.3g} q={x['q']:.3g} p={x['p']:.3g}"

@@ -491,6 +491,34 @@ def precision_section(check: PrecisionResult) -> tuple[str, str]:
 FIRST_FIGURES = ("scatter", "masked_fraction")  # the seed's pair, right after the findings
 
 
+_GIVEN_CAPTIONS = {
+    "scatter": (
+        "Sampled tokens by inference (sampler) probability q and trainer probability p, as a "
+        "density (tokens per bin, log colour scale); left on linear axes, right on log-log "
+        "axes where rare tokens are visible. Lines: the boundaries of the rules given that "
+        "have one in this plane (a ratio band is the cone p = low·q, p = high·q, straight on "
+        "log-log axes; a probability band p = q ± eps); masked outside."
+    ),
+    "masked_fraction": (
+        "Fraction of tokens masked (weight rules: truncated) as a function of each rule's "
+        "threshold, the panels of the rules given (each swept over its default grid, the "
+        "other parameter at its default). Markers: the rules' presets."
+    ),
+    "masked_by_length": (
+        "Masked fraction per sequence-length bucket for the rules given that mask tokens: a "
+        "product-ratio sequence mask tightens as sequences grow, a geometric-mean one and a "
+        "token rule do not."
+    ),
+}
+
+
+def _caption(name: str, data: FigureData) -> str:
+    """A figure's caption: of the rules given where they drew it (`data.given`)."""
+    if getattr(data, "given", False) and name in _GIVEN_CAPTIONS:
+        return _GIVEN_CAPTIONS[name]
+    return _CAPTIONS[name]
+
+
 def _figure_html(data: FigureData, images: dict[str, bytes], names: Sequence[str]) -> list[str]:
     """The named figures as <figure>s with their titles and captions (data URIs); a line in
     masked_by_length's place where the log has no sequence ids."""
@@ -508,7 +536,7 @@ def _figure_html(data: FigureData, images: dict[str, bytes], names: Sequence[str
         parts.append(f"<h2>{_e(_TITLES[name])}</h2>")
         parts.append(
             f'<figure><img alt="{_e(_TITLES[name])}" src="data:image/png;base64,{uri}">'
-            f"<figcaption>{_e(_CAPTIONS[name])}</figcaption></figure>"
+            f"<figcaption>{_e(_caption(name, data))}</figcaption></figure>"
         )
     return parts
 
@@ -731,7 +759,7 @@ def _drift(d: DriftResult | None, note: str | None) -> str:
     spikes = ", ".join(map(str, d.spike_steps)) or "none"
     rows = [
         [
-            v.rule,
+            _given(v.rule),
             _dpct(v.baseline_fraction),
             _dpct(v.drift_fraction),
             _dnum(v.ratio),
