@@ -568,6 +568,48 @@ def drift(
 
 
 @command
+def diagnose(
+    sources: Sources,
+    rule: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rule",
+            "-r",
+            metavar="SPEC",
+            help="A rule setting the noise-floor finding judges (repeatable), e.g. -r "
+            "ipo:eps=0.3: a setting whose per-token threshold lies below the floor's 90th "
+            "percentile masks rounding noise.",
+        ),
+    ] = None,
+    read: ReadsCountingInvalid = READ_DEFAULTS,
+    json_: JsonOpt = False,
+    from_config: FromConfigOpt = None,
+    framework: FrameworkOpt = None,
+) -> None:
+    """Why is this run mismatched? One finding a row: found, clear or can't tell.
+
+    Truncated sampling (top-p/top-k: mean p/q below 1), temperature (slope of l on the
+    inference log-prob), staleness against the engine (with old_logprob), position effects
+    (a jump at a position, the first token), placeholder log-probs (0.0, sentinels, one
+    value everywhere), the noise floor (settings that mask rounding noise) and alignment.
+    One streamed read; invalid rows are counted, not refused. Exits 0 (check is the gate).
+    """
+
+    def body():
+        from ..analysis.diagnose import diagnose as run_diagnose
+
+        _, rules = _config_rules(from_config, framework, rule)
+        with render.progress("diagnose") as cb:
+            res = run_diagnose(sources, rules or (), read.options(), cb)
+        if json_:
+            render.print_json(res.to_dict())
+            return
+        render.print_diagnose(res)
+
+    run(body)
+
+
+@command
 def plot(
     sources: Sources,
     output: OutDir = Path("mismatch-replay-plots"),

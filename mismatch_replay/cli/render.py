@@ -707,6 +707,32 @@ def print_drift(res) -> None:
         say(f"  spike at step {s.step}: {toks}")
 
 
+def print_diagnose(res) -> None:
+    """diagnose: one finding a row (finding, verdict, evidence, what to do), then a line
+    that counts what was found."""
+    t = Table(
+        title=f"diagnose: {res.tokens:,} loss tokens",
+        show_edge=False,
+        show_lines=True,
+        expand=True,
+    )
+    t.add_column("finding", ratio=2, min_width=12, overflow="fold")
+    t.add_column("verdict", no_wrap=True, min_width=10)
+    t.add_column("evidence", ratio=6, overflow="fold")
+    t.add_column("what to do", ratio=3, overflow="fold")
+    style = {"found": "bold red", "clear": "green", "can't tell": "yellow"}
+    for d in res.findings:
+        t.add_row(
+            escape(d.title),
+            f"[{style[d.verdict]}]{escape(d.verdict)}[/]",
+            escape(d.evidence),
+            escape(d.action),
+        )
+    out.print(t)
+    found = [d.title for d in res.found]
+    say(f"found: {', '.join(found)}" if found else "nothing found", to_err=True)
+
+
 def print_demo(output, paths: dict) -> None:
     """demo: the directory written, each file in it, and the page to open."""
     out.print(f"[bold]mismatch-replay demo[/] wrote {escape(str(output))}/:", highlight=False)

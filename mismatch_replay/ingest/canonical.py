@@ -59,8 +59,13 @@ OPTIONAL = (
     "entropy",
     "token_id",
     "group_id",
+    "kept_mass",
+    "version",
 )
 CANONICAL = REQUIRED + OPTIONAL
+# read only where --map names it: the engine's kept probability mass of a truncated
+# (top-p / top-k) sampler, per token; every command then replays lq + log(kept_mass)
+MAPPED_ONLY = ("kept_mass",)
 LOGPROB_COLUMNS = ("trainer_logprob", "inference_logprob", "old_logprob")
 POSITIVE_TOLERANCE = 1e-6  # log-probs in (0, 1e-6] are rounding noise and clipped to 0
 IO_TIMEOUT_S = 30.0  # default connect / request timeout of object-store sources
@@ -77,6 +82,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
         "sampler_logprobs",
     ),
     "advantage": ("advantages",),
+    "version": ("versions", "policy_version", "weight_version"),
     "env": ("env_name", "environment", "task"),
     "step": ("global_step", "rollout_id", "train_step"),
     "sample_id": ("sequence_id", "seq_id", "sample_idx", "sample_index"),
@@ -232,6 +238,8 @@ COLUMN_KINDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "loss_mask": ("a boolean", "booleans (or 0/1)", ("boolean", "integer", "float", "null")),
     "env": ("a string", "strings", ("string", "integer", "boolean", "null")),
     "group_id": ("an integer or a string", "integers or strings", ("integer", "string", "null")),
+    "kept_mass": _FLOAT,
+    "version": _INT,
 }
 
 
@@ -272,7 +280,7 @@ _KIND_TEXT = {
 
 # payload columns only some rules need: one of the wrong type is left out with a warning
 # (the rules that need it say so); every other column of the wrong type is an error
-_LEAVE_OUT = ("advantage", "entropy", "old_logprob", "env", "token_id", "group_id")
+_LEAVE_OUT = ("advantage", "entropy", "old_logprob", "env", "token_id", "group_id", "version")
 
 
 def check_types(
@@ -343,7 +351,7 @@ def choose_columns(
             )
         source[canon] = theirs
     for canon in CANONICAL:
-        if canon in source:
+        if canon in source or canon in MAPPED_ONLY:
             continue
         for cand in (canon, *ALIASES.get(canon, ())):
             if cand in names:
@@ -448,6 +456,8 @@ def canonicalise(df: pl.DataFrame, plan: Plan, file_index: int, row_offset: int)
         exprs.append(pl.col("advantage").cast(pl.Float64))
     if "entropy" in df.columns:
         exprs.append(pl.col("entropy").cast(pl.Float64))
+    if "kept_mass" in df.columns:
+        exprs.append(pl.col("kept_mass").cast(pl.Float64))
     if "step" not in df.columns:  # a hive directory step=N, else 0
         step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
         exprs.append(pl.lit(step or 0, dtype=pl.Int64).alias("step"))
@@ -459,12 +469,15 @@ def canonicalise(df: pl.DataFrame, plan: Plan, file_index: int, row_offset: int)
     if "loss_mask" in df.columns:
         exprs.append(pl.col("loss_mask").cast(pl.Boolean))
     try:
-        return df.with_columns(exprs)
+        df = df.with_columns(exprs)
     except pl.exceptions.PolarsError:  # a value that is not a number (JSON lines: any type)
         raise _cast_error(df, plan, file_index) from None
+    if "kept_mass" in df.columns:  # the truncated sampler's log-prob, back on the full support
+        df = df.with_columns(pl.col("inference_logprob") + pl.col("kept_mass").log())
+    return df
 
 
-_TARGET = {c: pl.Float64 for c in (*LOGPROB_COLUMNS, "advantage", "entropy")} | {
+_TARGET = {c: pl.Float64 for c in (*LOGPROB_COLUMNS, "advantage", "entropy", "kept_mass")} | {
     "step": pl.Int64,
     "loss_mask": pl.Boolean,
 }
@@ -562,6 +575,10 @@ def problems(df: pl.DataFrame, plan: Plan) -> list[tuple[str, str, pl.Expr]]:
         a = pl.col("advantage")
         bad = a.is_null() | (a.is_not_null() & ~a.is_finite())
         out.append(("advantage", "null, NaN or infinite", bad))
+    if "kept_mass" in df.columns:  # a probability mass in (0, 1]
+        k = pl.col("kept_mass")
+        bad = k.is_null() | (k.is_not_null() & ~((k > 0) & (k <= 1 + POSITIVE_TOLERANCE)))
+        out.append(("kept_mass", "null, NaN or outside (0, 1]", bad))
     for c in _KEY_COLUMNS:  # a token without a step or sequence cannot be placed
         if c in df.columns:
             out.append((c, "null", pl.col(c).is_null()))
@@ -589,6 +606,10 @@ def quick_check(df: pl.DataFrame) -> tuple[bool, bool]:
     positive = False
     for c in ("loss_mask", *_KEY_COLUMNS):
         if c in df.columns and df[c].null_count():
+            return False, True
+    if "kept_mass" in df.columns:
+        k = df["kept_mass"]
+        if k.null_count() or not bool(((k > 0) & (k <= 1 + POSITIVE_TOLERANCE)).all()):
             return False, True
     for c in (*LOGPROB_COLUMNS, "advantage"):
         if c not in df.columns:

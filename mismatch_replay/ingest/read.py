@@ -322,7 +322,9 @@ def iter_batches(
 
 
 def _needed_sources(plan: Plan, columns: Sequence[str] | None) -> list[str]:
+    # kept_mass (where --map names it) always: it corrects the inference log-prob
     want = set(CANONICAL if columns is None else columns) | set(REQUIRED) | {"loss_mask"}
+    want.add("kept_mass")
     if plan.list_columns:
         want |= set(plan.list_columns)  # every list must be exploded together
     return sorted({s for c, s in plan.source.items() if c in want})

@@ -62,11 +62,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from ..errors import DataError
-from ..ingest import ReadOptions, ReadReport, iter_batches, plan_sources
-from ..ingest.alignment import AlignmentCheck
-from ..present import Presentable
-from ..rules import Rule, TokenBatch, parse_rule
+from ...errors import DataError
+from ...ingest import ReadOptions, ReadReport, iter_batches, plan_sources
+from ...ingest.alignment import AlignmentCheck
+from ...present import Presentable
+from ...rules import Rule, TokenBatch, parse_rule
 
 SCHEMA_VERSION = 1
 VERDICTS = ("found", "clear", "can't tell")
@@ -92,6 +92,7 @@ FLOOR_LP = math.log(0.9)
 HIST_DECADES = (-12.0, 1.5)
 HIST_BINS = 4000
 STEP_BOOT_MAX = 4096  # steps with their own bootstrap interval
+MOMENTS = 10
 FINDINGS = (
     "truncation",
     "temperature",
@@ -102,8 +103,8 @@ FINDINGS = (
     "alignment",
 )
 TITLES = {
-    "truncation": "Truncated sampling (top-p / top-k)",
-    "temperature": "Temperature mismatch",
+    "truncation": "Truncated sampling",
+    "temperature": "Temperature",
     "staleness": "Staleness vs engine",
     "position": "Position effects",
     "placeholders": "Placeholder log-probs",
@@ -174,6 +175,17 @@ def _pct(f: float) -> str:
     return "0%" if f == 0 else f"{100 * f:.3g}%"
 
 
+def _kernel():
+    """kernel.py (numba started by `fast.compiled()`), or None on the numpy backend."""
+    from ... import fast
+
+    if fast.backend() != "numba" or fast.compiled() is None:
+        return None
+    from . import kernel
+
+    return kernel
+
+
 # ----------------------------------------------------------------------------- sequences
 
 
@@ -228,9 +240,10 @@ class DiagnoseStats:
     replicates: int = BOOT
     tokens: int = 0
     unit: str = "sequence"  # bootstrap unit: sequence, or step
-    # truncation / temperature: n, sum r, sum x, sum y, sum xx, sum xy (x = lq, y = l)
-    mom: np.ndarray = field(default_factory=lambda: np.zeros(6))
-    boot: np.ndarray | None = None  # [B, 6]
+    # truncation / temperature: n, sum r, sum x, sum y, sum xx, sum xy (x = lq, y = l),
+    # and with the entropy h: sum h, sum xh, sum hh, sum hy
+    mom: np.ndarray = field(default_factory=lambda: np.zeros(MOMENTS))
+    boot: np.ndarray | None = None  # [B, MOMENTS]
     units: int = 0  # bootstrap units seen (runs merged by key: approx. for split ones)
     step_index: dict = field(default_factory=dict)
     step_mom: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))  # n, sum r
@@ -258,7 +271,7 @@ class DiagnoseStats:
 
     def __post_init__(self) -> None:
         if self.boot is None:
-            self.boot = np.zeros((self.replicates, 6))
+            self.boot = np.zeros((self.replicates, MOMENTS))
         self.unit = "sequence" if "sample_id" in self.columns else "step"
         self.seqs = _Sequences() if "sample_id" in self.columns else None
         if self.alignment is None and AlignmentCheck.possible(self.columns):
@@ -270,39 +283,53 @@ class DiagnoseStats:
         n = df.height
         if n == 0:
             return
-        lp = df["trainer_logprob"].to_numpy().astype(np.float64, copy=False)
-        lq = df["inference_logprob"].to_numpy().astype(np.float64, copy=False)
+        lp = np.ascontiguousarray(df["trainer_logprob"].to_numpy(), dtype=np.float64)
+        lq = np.ascontiguousarray(df["inference_logprob"].to_numpy(), dtype=np.float64)
         step = df["step"].to_numpy().astype(np.int64, copy=False)
         self.tokens += n
-        with np.errstate(over="ignore", invalid="ignore"):
-            l = lp - lq  # noqa: E741 - the log ratio is l in RULES.md
-            r = np.exp(np.clip(l, -20.0, 20.0))
-            k3 = np.expm1(np.minimum(l, 700.0)) - l
-        absl = np.abs(l)
-        self.abs_l_sum += float(absl.sum())
         if "kept_mass" in df.columns:
             self.kept_mass_sum += float(df["kept_mass"].sum())
-        # unit keys and runs of rows with one key
-        if self.seqs is not None:
-            h = df.select(pl.struct("step", "sample_id").hash(SEED)).to_series().to_numpy()
-        else:
-            h = _mix(step.astype(np.uint64) + _GOLD)
-        starts = np.r_[0, np.flatnonzero(h[1:] != h[:-1]) + 1]
+        starts, rk = self._runs(df, step)
         rl = np.diff(np.r_[starts, n])
-        rk = h[starts]
-        # truncation and temperature: weighted per-run moments
-        cols = np.stack([np.ones(n), r, lq, l, lq * lq, lq * l], axis=1)
-        runm = np.add.reduceat(cols, starts, axis=0)
+        off = self.seqs.place(rk, rl) if self.seqs is not None else None
+        pos = None
+        if "position" in df.columns:
+            pos = np.ascontiguousarray(df["position"].to_numpy(), dtype=np.int64)
+        runm = np.zeros((rk.size, MOMENTS))
+        ent = None
+        if "entropy" in df.columns:
+            ent = np.ascontiguousarray(df["entropy"].to_numpy(), dtype=np.float64)
+        counts = np.zeros(9, np.int64)
+        floats = np.zeros(2)
+        first = np.zeros(6)
+        hist = np.zeros(HIST_BINS + 2)
+        posacc = np.zeros_like(self.pos)
+        jit = _kernel()
+        args = (lp, lq, pos, ent, starts, off, runm, posacc, first, hist, counts, floats)
+        if jit is not None:
+            self._jit_pass(jit, *args)
+        else:
+            self._numpy_pass(*args)
+        self.pos += posacc
+        self.first += first
+        self.floor_hist += hist
+        self.floor_lq += [counts[8], floats[0]]
+        self.abs_l_sum += floats[1]
+        for j, side in enumerate(("trainer", "inference")):
+            self.zero_low[side] += int(counts[j])
+            self.sentinel[side] += int(counts[2 + j])
+            self.grid[side][0] += int(counts[4 + j])
+            self.grid[side][1] += int(counts[6 + j])
+        # truncation and temperature: the bootstrap over the runs' moments, per step too
+        # (runs never cross steps: the key holds the step)
         self.mom += runm.sum(axis=0)
-        w = poisson_weights(rk, self.replicates)
-        self.boot += w.T @ runm
         self.units += int(np.unique(rk).size)
-        # per step (runs never cross steps: the key holds the step)
         rs = step[starts]
-        for s in np.unique(rs):
-            i = self.step_index.get(int(s))
+        srow = np.full(rk.size, -1, np.int64)
+        for s in np.unique(rs).tolist():
+            i = self.step_index.get(s)
             if i is None:
-                i = self.step_index[int(s)] = len(self.step_index)
+                i = self.step_index[s] = len(self.step_index)
                 self.step_mom = np.vstack([self.step_mom, np.zeros((1, 2))])
                 if len(self.step_index) <= STEP_BOOT_MAX and self.unit == "sequence":
                     pad = np.zeros((1, self.replicates, 2))
@@ -311,17 +338,20 @@ class DiagnoseStats:
             sel = rs == s
             self.step_mom[i] += runm[sel][:, :2].sum(axis=0)
             if i < self.step_boot.shape[0]:
+                srow[sel] = i
+        if jit is not None:
+            sb = self.step_boot if self.step_boot.size else np.zeros((1, self.replicates, 2))
+            jit.boot_add(rk, runm, self.boot, srow, sb, SEED, _POIS_CDF)
+        else:
+            w = poisson_weights(rk, self.replicates)
+            self.boot += w.T @ runm
+            for i in np.unique(srow[srow >= 0]).tolist():
+                sel = srow == i
                 self.step_boot[i] += w[sel].T @ runm[sel][:, :2]
-        # sequences: each token's index among its sequence's loss tokens
-        idx = None
-        if self.seqs is not None:
-            off = self.seqs.place(rk, rl)
-            run_of = np.repeat(np.arange(rk.size), rl)
-            idx = off[run_of] + (np.arange(n) - starts[run_of])
         # staleness
-        if "old_logprob" in df.columns:
-            lo = df["old_logprob"].to_numpy().astype(np.float64, copy=False)
-            with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
+            if "old_logprob" in df.columns:
+                lo = df["old_logprob"].to_numpy().astype(np.float64, copy=False)
                 a = lp - lo
                 b = lo - lq
                 self.stale += [
@@ -331,90 +361,150 @@ class DiagnoseStats:
                     float((np.expm1(np.minimum(b, 700.0)) - b).sum()),
                     n,
                 ]
-        if "version" in df.columns:
-            lag = step - df["version"].to_numpy().astype(np.int64, copy=False)
-            u, inv = np.unique(lag, return_inverse=True)
-            cnt = np.bincount(inv, minlength=u.size)
-            s3 = np.bincount(inv, weights=k3, minlength=u.size)
-            for v, c, s in zip(u.tolist(), cnt.tolist(), s3.tolist(), strict=True):
-                acc = self.lag.setdefault(v, [0, 0.0])
-                acc[0] += c
-                acc[1] += s
-        # position
-        pos = (
-            df["position"].to_numpy().astype(np.int64, copy=False)
-            if "position" in df.columns
-            else idx
-        )
-        if pos is not None:
-            b = _pos_bin(pos)
-            size = self.pos.shape[0]
-            self.pos[:, 0] += np.bincount(b, minlength=size)
-            self.pos[:, 1] += np.bincount(b, weights=absl, minlength=size)
-            self.pos[:, 2] += np.bincount(b, weights=l * l, minlength=size)
-            self.pos[:, 3] += np.bincount(b, weights=k3, minlength=size)
-        if idx is not None:
-            f = idx == 0
-            nf = int(f.sum())
-            self.first += [
-                nf,
-                float(absl[f].sum()),
-                float((l[f] ** 2).sum()),
-                n - nf,
-                float(absl[~f].sum()),
-                float((l[~f] ** 2).sum()),
-            ]
-        # placeholders
-        for side, x, other in (("trainer", lp, lq), ("inference", lq, lp)):
-            zl = (x == 0.0) & (other < LOG_HALF)
-            se = x <= SENTINEL
-            self.zero_low[side] += int(zl.sum())
-            self.sentinel[side] += int(se.sum())
-            self._locate(f"zero:{side}", zl, h, idx)
-            self._locate(f"sentinel:{side}", se, h, idx)
-            self._frequent(side, x, h, idx)
-            # grid
-            x32 = x.astype(np.float32)
-            on32 = x32.astype(np.float64) == x
-            bf = on32 & ((x32.view(np.uint32) & np.uint32(0xFFFF)) == 0)
-            with np.errstate(over="ignore"):
-                hf = x.astype(np.float16).astype(np.float64) == x
-            self.grid[side][0] += int(bf.sum())
-            self.grid[side][1] += int(hf.sum())
-        # noise floor
-        conf = (lp > FLOOR_LP) & (lq > FLOOR_LP)
-        if conf.any():
-            a = absl[conf]
-            self.floor_lq += [a.size, float(lq[conf].sum())]
-            z = a == 0
-            self.floor_hist[0] += int(z.sum())
-            lo_, hi_ = HIST_DECADES
-            k = np.floor((np.log10(a[~z]) - lo_) * (HIST_BINS / (hi_ - lo_))).astype(np.int64)
-            k = np.clip(k, -1, HIST_BINS) + 1  # bin 0: zero and below 1e-12; last: above
-            k[k == 0] = 1
-            self.floor_hist += np.bincount(k, minlength=HIST_BINS + 2)[: HIST_BINS + 2]
+            if "version" in df.columns:
+                el = lp - lq
+                k3 = np.expm1(np.minimum(el, 700.0)) - el
+                lag = step - df["version"].to_numpy().astype(np.int64, copy=False)
+                u, inv = np.unique(lag, return_inverse=True)
+                cnt = np.bincount(inv, minlength=u.size)
+                s3 = np.bincount(inv, weights=k3, minlength=u.size)
+                for v, c, s in zip(u.tolist(), cnt.tolist(), s3.tolist(), strict=True):
+                    acc = self.lag.setdefault(v, [0, 0.0])
+                    acc[0] += c
+                    acc[1] += s
+        # placeholders: where they sit (only batches that hold some), frequent values
+        where = None
+        if off is not None:
+            run_of = None
+
+            def where():
+                nonlocal run_of
+                if run_of is None:
+                    run_of = np.repeat(np.arange(rk.size), rl)
+                return run_of
+
+        for j, (side, x, other) in enumerate((("trainer", lp, lq), ("inference", lq, lp))):
+            if counts[j]:
+                self._locate(
+                    f"zero:{side}", (x == 0.0) & (other < LOG_HALF), rk, starts, off, where
+                )
+            if counts[2 + j]:
+                self._locate(f"sentinel:{side}", x <= SENTINEL, rk, starts, off, where)
+            self._frequent(side, x, rk, starts, off, where)
         if self.alignment is not None:
             self.alignment.add(df)
 
-    def _locate(self, cat: str, mask: np.ndarray, h: np.ndarray, idx) -> None:
-        if idx is None or self.located_n >= MAX_LOCATED or not mask.any():
-            return
-        self.located.append((cat, h[mask], idx[mask]))
-        self.located_n += int(mask.sum())
+    def _runs(self, df: pl.DataFrame, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first row of each run of rows with one unit key, the run's key hash): units are
+        sequences (step, sample_id), else steps."""
+        if self.seqs is None:
+            starts = np.r_[0, np.flatnonzero(step[1:] != step[:-1]) + 1]
+            return starts, _mix(step[starts].astype(np.uint64) + _GOLD)
+        sid = df["sample_id"]
+        if sid.dtype.is_integer():
+            s = sid.to_numpy()
+            change = (step[1:] != step[:-1]) | (s[1:] != s[:-1])
+            starts = np.r_[0, np.flatnonzero(change) + 1]
+            hs = s[starts].astype(np.uint64)
+        else:  # strings: their polars hash
+            hsid = sid.hash(SEED).to_numpy()
+            change = (step[1:] != step[:-1]) | (hsid[1:] != hsid[:-1])
+            starts = np.r_[0, np.flatnonzero(change) + 1]
+            hs = hsid[starts]
+        return starts, _mix(_mix(step[starts].astype(np.uint64) + _GOLD) ^ hs)
 
-    def _frequent(self, side: str, x: np.ndarray, h: np.ndarray, idx) -> None:
+    def _jit_pass(
+        self, jit, lp, lq, pos, ent, starts, off, runm, posacc, first, hist, counts, floats
+    ):
+        lp32, lq32 = lp.astype(np.float32), lq.astype(np.float32)
+        lo, hi = HIST_DECADES
+        jit.token_pass(
+            lp, lq, lp32, lq32, lp32.view(np.uint32), lq32.view(np.uint32),
+            pos if pos is not None else np.zeros(0, np.int64), pos is not None,
+            starts.astype(np.int64), off if off is not None else np.zeros(0, np.int64),
+            ent if ent is not None else np.zeros(0), ent is not None,
+            runm, posacc, first, hist, counts, floats,
+            EXACT_POS, POS_BUCKETS, SENTINEL, LOG_HALF, FLOOR_LP, lo, HIST_BINS / (hi - lo),
+            HIST_BINS,
+        )  # fmt: skip
+
+    def _numpy_pass(self, lp, lq, pos, ent, starts, off, runm, posacc, first, hist, counts, floats):
+        """The reference for kernel.token_pass (same outputs, numpy)."""
+        n = lp.shape[0]
+        rl = np.diff(np.r_[starts, n])
+        with np.errstate(over="ignore", invalid="ignore"):
+            el = lp - lq
+            r = np.exp(np.maximum(np.minimum(el, 20.0), -20.0))
+            k3 = np.expm1(np.minimum(el, 700.0)) - el
+        absl = np.abs(el)
+        floats[1] += absl.sum()
+        runm[:, 0] = rl
+        for j, v in enumerate((r, lq, el, lq * lq, lq * el), start=1):
+            runm[:, j] = np.add.reduceat(v, starts)
+        if ent is not None:
+            for j, v in enumerate((ent, lq * ent, ent * ent, ent * el), start=6):
+                runm[:, j] = np.add.reduceat(v, starts)
+        idx = None
+        if off is not None:
+            run_of = np.repeat(np.arange(starts.size), rl)
+            idx = off[run_of] + (np.arange(n) - starts[run_of])
+        p = pos if pos is not None else idx
+        if p is not None:
+            ok = p >= 0
+            b = _pos_bin(p[ok])
+            size = posacc.shape[0]
+            posacc[:, 0] += np.bincount(b, minlength=size)
+            posacc[:, 1] += np.bincount(b, weights=absl[ok], minlength=size)
+            posacc[:, 2] += np.bincount(b, weights=(el * el)[ok], minlength=size)
+            posacc[:, 3] += np.bincount(b, weights=k3[ok], minlength=size)
+        if idx is not None:
+            f = idx == 0
+            first[:3] += [f.sum(), absl[f].sum(), (el[f] ** 2).sum()]
+            first[3:] += [(~f).sum(), absl[~f].sum(), (el[~f] ** 2).sum()]
+        for j, (x, other) in enumerate(((lp, lq), (lq, lp))):
+            counts[j] += int(((x == 0.0) & (other < LOG_HALF)).sum())
+            counts[2 + j] += int((x <= SENTINEL).sum())
+            x32 = x.astype(np.float32)
+            on32 = x32.astype(np.float64) == x
+            counts[4 + j] += int((on32 & ((x32.view(np.uint32) & np.uint32(0xFFFF)) == 0)).sum())
+            with np.errstate(over="ignore"):
+                counts[6 + j] += int((x.astype(np.float16).astype(np.float64) == x).sum())
+        conf = (lp > FLOOR_LP) & (lq > FLOOR_LP)
+        a = absl[conf]
+        counts[8] += a.size
+        floats[0] += lq[conf].sum()
+        z = a == 0
+        hist[0] += int(z.sum())
+        if (~z).any():
+            lo_, hi_ = HIST_DECADES
+            with np.errstate(divide="ignore"):
+                k = np.floor((np.log10(a[~z]) - lo_) * (HIST_BINS / (hi_ - lo_)))
+            k = np.clip(k, -1, HIST_BINS).astype(np.int64) + 1
+            k[k == 0] = 1
+            hist += np.bincount(k, minlength=HIST_BINS + 2)[: HIST_BINS + 2]
+
+    def _locate(self, cat: str, mask: np.ndarray, rk, starts, off, where) -> None:
+        """Keep the key and in-sequence index of the tokens in `mask` (capped)."""
+        if where is None or self.located_n >= MAX_LOCATED or not mask.any():
+            return
+        rows = np.flatnonzero(mask)
+        run = where()[rows]
+        self.located.append((cat, rk[run], off[run] + rows - starts[run]))
+        self.located_n += rows.size
+
+    def _frequent(self, side: str, x: np.ndarray, rk, starts, off, where) -> None:
         tracked = self.tracked[side]
         stride = max(1, x.size // FREQ_SAMPLE)
         sample = x[::stride]
         if len(tracked) < MAX_TRACKED:
             u, c = np.unique(sample, return_counts=True)
-            cand = u[(c >= max(2, FREQ_LIMIT / 2 * sample.size)) & (u != 0.0)]
-            for v in cand[np.argsort(-c[np.isin(u, cand)])][: MAX_TRACKED - len(tracked)]:
+            keep = (c >= max(2, FREQ_LIMIT / 2 * sample.size)) & (u != 0.0)
+            for v in u[keep][np.argsort(-c[keep], kind="stable")][: MAX_TRACKED - len(tracked)]:
                 tracked.setdefault(float(v), 0)
         for v in list(tracked):
             m = x == v
             tracked[v] += int(m.sum())
-            self._locate(f"value:{side}:{v!r}", m, h, idx)
+            self._locate(f"value:{side}:{v!r}", m, rk, starts, off, where)
 
 
 def collect(
@@ -424,7 +514,7 @@ def collect(
 ) -> DiagnoseStats:
     """One streamed read of the log into a `DiagnoseStats`. Invalid rows (NaN, inf, null,
     positive log-probs) are counted per column (`stats.report.dropped`), not raised."""
-    from ..engine.stream import prefetch
+    from ...engine.stream import prefetch
 
     if isinstance(sources, str | Path):
         sources = [sources]
@@ -435,7 +525,7 @@ def collect(
     want = ["trainer_logprob", "inference_logprob", "step"]
     want += [
         c
-        for c in ("sample_id", "position", "old_logprob", "kept_mass", "version")
+        for c in ("sample_id", "position", "entropy", "old_logprob", "kept_mass", "version")
         if c in plan.columns
     ]
     stats = DiagnoseStats(tuple(want))
@@ -510,7 +600,8 @@ def truncation(st: DiagnoseStats) -> Diagnosis:
     """Token-mean p/q with its bootstrap interval, overall and per step."""
     n, sr = st.mom[0], st.mom[1]
     mean = sr / n
-    reps = st.boot[:, 1] / st.boot[:, 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        reps = st.boot[:, 1] / st.boot[:, 0]
     lo, hi = _ci(reps)
     steps = sorted(st.step_index)
     rows = []
@@ -564,17 +655,36 @@ def truncation(st: DiagnoseStats) -> Diagnosis:
     return Diagnosis("truncation", "clear", ev + ": E_q[p/q] = 1 holds", "nothing", nums, table)
 
 
+def regression_slope(m: np.ndarray, with_entropy: bool) -> np.ndarray:
+    """The least-squares slope of l on lq from moment sums `m` (..., MOMENTS): plain, or
+    controlling for the trainer's entropy h (l ~ lq + h + 1), which absorbs most of the
+    per-context offset c (see `temperature`)."""
+    n = m[..., 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sx, sy = m[..., 2], m[..., 3]
+        cxx = m[..., 4] - sx * sx / n
+        cxy = m[..., 5] - sx * sy / n
+        if not with_entropy:
+            return cxy / cxx
+        sh = m[..., 6]
+        cxh = m[..., 7] - sx * sh / n
+        chh = m[..., 8] - sh * sh / n
+        chy = m[..., 9] - sh * sy / n
+        return (cxy * chh - cxh * chy) / (cxx * chh - cxh * cxh)
+
+
 def temperature(st: DiagnoseStats) -> Diagnosis:
-    """Least-squares slope of l on lq with its bootstrap interval: T - 1."""
+    """The least-squares slope of l on lq with its bootstrap interval: T - 1.
 
-    def slope(m):
-        n, sx, sy, sxx, sxy = m[..., 0], m[..., 2], m[..., 3], m[..., 4], m[..., 5]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return (sxy - sx * sy / n) / (sxx - sx * sx / n)
-
-    b = float(slope(st.mom))
-    lo, hi = _ci(slope(st.boot))
+    Within one context l = (T - 1) lq + c with c = T logsumexp(z / T) - logsumexp(z); across
+    contexts of different shapes c correlates with lq and pulls the plain slope toward 0
+    (measured on 20,000 constructed contexts at T = 0.7: 0.757 plain). Where the log has the
+    trainer's entropy, the slope is taken with it as a second regressor (0.704 there)."""
+    ent = "entropy" in st.columns
+    b = float(regression_slope(st.mom, ent))
+    lo, hi = _ci(regression_slope(st.boot, ent))
     nums = {"slope": b, "ci_low": lo, "ci_high": hi, "temperature_ratio": 1 + b}
+    nums["controls_entropy"] = ent
     if not math.isfinite(b) or not math.isfinite(lo):
         return Diagnosis(
             "temperature",
@@ -583,11 +693,14 @@ def temperature(st: DiagnoseStats) -> Diagnosis:
             "map a sample_id column (--map sample_id=COLUMN)",
             nums,
         )
+    how = ", entropy held fixed" if ent else ""
     ev = (
-        f"slope of l on lq {g(b)} (95% CI {g(lo)}–{g(hi)}): implied temperature ratio "
+        f"slope of l on lq {g(b)} (95% CI {g(lo)}–{g(hi)}{how}): implied temperature ratio "
         f"T_engine/T_trainer {g(1 + b)}"
     )
     if abs(b) > SLOPE_LIMIT and (lo > 0 or hi < 0):
+        if not ent:
+            ev += " (no entropy column: contexts of different shapes pull it toward 1)"
         return Diagnosis(
             "temperature",
             "found",
