@@ -397,8 +397,8 @@ def test_streamed_stats_equal_brute_force(kernel_backend, case):
     assert stats.first[0] == first.sum()
     assert stats.first[1] == pytest.approx(np.abs(el[first]).sum(), rel=1e-9, abs=1e-15)
     # the bootstrap: replicate b weighs sequence g by poisson_weights(key_g)[b]
-    keys = stats._runs(df, df["step"].to_numpy())[1]
-    starts = stats._runs(df, df["step"].to_numpy())[0]
+    keys = stats.runs(df, df["step"].to_numpy())[1]
+    starts = stats.runs(df, df["step"].to_numpy())[0]
     w = D.poisson_weights(keys)
     per = np.add.reduceat(np.exp(np.clip(el, -20, 20)), starts)
     assert np.allclose(stats.boot[:, 1], w.T @ per, rtol=1e-9)

@@ -570,17 +570,7 @@ def drift(
 @command
 def diagnose(
     sources: Sources,
-    rule: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--rule",
-            "-r",
-            metavar="SPEC",
-            help="A rule setting the noise-floor finding judges (repeatable), e.g. -r "
-            "ipo:eps=0.3: a setting whose per-token threshold lies below the floor's 90th "
-            "percentile masks rounding noise.",
-        ),
-    ] = None,
+    rule: RuleOpt = None,
     read: ReadsCountingInvalid = READ_DEFAULTS,
     json_: JsonOpt = False,
     from_config: FromConfigOpt = None,
@@ -588,11 +578,9 @@ def diagnose(
 ) -> None:
     """Why is this run mismatched? One finding a row: found, clear or can't tell.
 
-    Truncated sampling (top-p/top-k: mean p/q below 1), temperature (slope of l on the
-    inference log-prob), staleness against the engine (with old_logprob), position effects
-    (a jump at a position, the first token), placeholder log-probs (0.0, sentinels, one
-    value everywhere), the noise floor (settings that mask rounding noise) and alignment.
-    One streamed read; invalid rows are counted, not refused. Exits 0 (check is the gate).
+    Truncated sampling (top-p/top-k), temperature, staleness against the engine, position
+    effects, placeholder log-probs, the noise floor (the -r / --from-config settings below it
+    mask rounding noise) and alignment, from one streamed read. Exits 0 (check is the gate).
     """
 
     def body():
@@ -601,10 +589,7 @@ def diagnose(
         _, rules = _config_rules(from_config, framework, rule)
         with render.progress("diagnose") as cb:
             res = run_diagnose(sources, rules or (), read.options(), cb)
-        if json_:
-            render.print_json(res.to_dict())
-            return
-        render.print_diagnose(res)
+        render.print_json(res.to_dict()) if json_ else render.print_diagnose(res)
 
     run(body)
 
