@@ -512,6 +512,31 @@ def test_jsonl_line_cap(tmp_path, monkeypatch):
         _read_all("jsonl", p)
 
 
+@settings(max_examples=100)
+@given(
+    lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=12),
+    last_newline=st.booleans(),
+    block=st.integers(1, 20),
+)
+def test_blocks_are_the_file_in_whole_lines(tmp_path_factory, lines, last_newline, block):
+    """blocks() (pieces of a line kept in a list) against splitting the file by lines: the
+    same bytes, cut only after a newline, each block's first line number right."""
+    from mismatch_replay.ingest.formats.jsonl import blocks
+
+    data = b"\n".join(lines) + (b"\n" if last_newline and lines else b"")
+    p = tmp_path_factory.mktemp("b") / "x.jsonl"
+    p.write_bytes(data)
+    out = list(blocks(p, block))
+    joined = b"".join(b for b, _ in out)
+    assert data.startswith(joined) and not data[len(joined) :].strip()  # a blank tail dropped
+    assert len(data) - len(joined) <= len(data) - (data.rfind(b"\n") + 1)
+    n = 1
+    for blk, first in out:
+        assert first == n
+        assert blk.endswith(b"\n") or blk is out[-1][0]
+        n += blk.count(b"\n")
+
+
 def test_jsonl_deep_line_is_a_bad_record(tmp_path):
     p = tmp_path / "log.jsonl"
     good = b'{"trainer_logprob": -0.1, "inference_logprob": -0.2}\n'
@@ -870,6 +895,31 @@ def test_fuzz_readers_truncated_valid(tmp_path_factory, valid_files, reader, cut
         if data:
             data[int(at * (len(data) - 1))] = byte
     _reader_case(tmp_path_factory.mktemp("r"), valid_files, reader, bytes(data))
+
+
+@pytest.mark.slow
+@settings(max_examples=60)
+@given(
+    reader=st.sampled_from(["slime", "skyrl"]),
+    how=st.sampled_from(["bytes", "cut", "flip"]),
+    data=st.binary(max_size=300),
+    cut=st.floats(0, 1),
+    flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=6),
+)
+def test_fuzz_dumps(tmp_path_factory, valid_files, reader, how, data, cut, flips):
+    """The two binary dumps on their own (the draws above spread over seven readers): random
+    bytes, the valid dump cut short, the valid dump with bytes overwritten."""
+    if reader not in valid_files:
+        pytest.skip(f"no {reader} fixture (torch missing)")
+    full = valid_files[reader].read_bytes()
+    if how == "cut":
+        data = full[: int(len(full) * cut)]
+    elif how == "flip":
+        buf = bytearray(full)
+        for at, byte in flips:
+            buf[int(at * (len(buf) - 1))] = byte
+        data = bytes(buf)
+    _reader_case(tmp_path_factory.mktemp("d"), valid_files, reader, data)
 
 
 def _json_lines_of(trees: list, wrap: dict | None = None) -> bytes:

@@ -52,11 +52,14 @@ def loads(raw: bytes):
 
 def blocks(path: Path, block_bytes: int) -> Iterator[tuple[bytes, int]]:
     """(block of whole lines, number of its first line); the last line may lack a newline.
-    A line longer than `safe_read.line_cap()` is refused (a file without newlines)."""
+    A line that runs past `safe_read.line_cap()` bytes without a newline is refused (a file
+    without newlines): the pieces of a line in progress are kept in a list, so memory is the
+    cap plus one block, never a copy per read."""
     cap = line_cap()
     with open_local(path) as f:
         line = 1
-        tail = b""
+        parts: list[bytes] = []  # the line in progress, no newline yet
+        pending = 0
         while True:
             try:
                 data = f.read(block_bytes)
@@ -66,19 +69,20 @@ def blocks(path: Path, block_bytes: int) -> Iterator[tuple[bytes, int]]:
                     "or truncated while being read; re-run when the trainer is done with it."
                 ) from exc
             if not data:
+                tail = b"".join(parts)
                 if tail.strip():
                     yield tail, line
                 return
-            data = tail + data
             cut = data.rfind(b"\n")
             if cut < 0:
-                if len(data) > cap:
+                pending += len(data)
+                if pending > cap:
                     raise line_too_long(path, line, cap)
-                tail = data
+                parts.append(data)
                 continue
-            block, tail = data[: cut + 1], data[cut + 1 :]
-            if len(tail) > cap:
-                raise line_too_long(path, line + block.count(b"\n"), cap)
+            block = b"".join([*parts, data[: cut + 1]]) if parts else data[: cut + 1]
+            rest = data[cut + 1 :]
+            parts, pending = ([rest] if rest else []), len(rest)
             yield block, line
             line += block.count(b"\n")
 
