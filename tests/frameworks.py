@@ -455,6 +455,87 @@ def skyrl_geo(L: Log, v: dict, dt) -> np.ndarray:
     return L.unpad((g > v["high"]) | (g < v["low"]))
 
 
+def skyrl_tis_token(L: Log, v: dict, dt) -> np.ndarray:
+    """compute_tis_ratio("token"): tokens_capped = safe_exp(l) > token_tis_ratio_clip_high."""
+    return _np(_skyrl_exp(L.t(L.lp, dt) - L.t(L.lq, dt), dt) > v["cap"])
+
+
+def skyrl_token_mask(L: Log, v: dict, dt) -> np.ndarray:
+    """compute_token_mask: in_bounds = (safe_exp(l) >= low) & (safe_exp(l) <= high)."""
+    r = _skyrl_exp(L.t(L.lp, dt) - L.t(L.lq, dt), dt)
+    return _np(~((r >= v["low"]) & (r <= v["high"])))
+
+
+def skyrl_product(L: Log, v: dict, dt) -> np.ndarray:
+    """compute_sequence_mask("product"): safe_exp(sum(l * mask)) > product_mask_high or
+    < product_mask_low."""
+    s = (L.pad(L.lp - L.lq, dt) * L.mask().to(dt)).sum(dim=-1, keepdim=True)
+    r = _skyrl_exp(s, dt)
+    return L.unpad((r > v["high"]) | (r < v["low"]))
+
+
+# ----------------------------------------------------------------------------- slime
+# THUDM/slime @ 624b824: slime/backends/megatron_utils/loss.py (vanilla_tis_function,
+# icepop_function) and examples/train_infer_mismatch_helper/mis.py (compute_mis_weights)
+
+
+def slime_vanilla_tis(L: Log, v: dict, dt) -> np.ndarray:
+    """vanilla_tis_function: tis = exp(l); weights = clamp(tis, tis_clip_low=0, tis_clip);
+    truncated where weights != tis (its tis_clipfrac)."""
+    tis = torch.exp(L.t(L.lp, dt) - L.t(L.lq, dt))
+    return _np(torch.clamp(tis, min=0.0, max=v["cap"]) != tis)
+
+
+def slime_icepop(L: Log, v: dict, dt) -> np.ndarray:
+    """icepop_function: ice_weight = where(low <= exp(l) <= high, exp(l), 0): masked (weight
+    0) outside the band."""
+    r = torch.exp(L.t(L.lp, dt) - L.t(L.lq, dt))
+    return _np(~((r >= v["low"]) & (r <= v["high"])))
+
+
+def _slime_rows(L: Log, dt):
+    """compute_mis_weights handles each sequence as its own 1-D tensor: (rows, masks)."""
+    lr, m = L.pad(L.lp - L.lq, dt), L.mask().to(dt)
+    return [(lr[i, : int(m[i].sum())], m[i, : int(m[i].sum())]) for i in range(L.n_seq)]
+
+
+def slime_mis(level: str):
+    def ref(L: Log, v: dict, dt) -> np.ndarray:
+        """compute_mis_weights, rs_level=<level>: log ratio per token, masked_sum or
+        masked_mean (sum / clamp_min(n, 1)) per sequence; clamp to +-20; exp; mask() keeps
+        lower <= w <= upper."""
+        out = []
+        for x, m in _slime_rows(L, dt):
+            if level == "token":
+                lr = x
+            elif level == "sequence":
+                lr = (x * m).sum().expand_as(x)
+            else:
+                lr = ((x * m).sum() / torch.clamp_min(m.sum(), 1)).expand_as(x)
+            w = torch.exp(torch.clamp(lr, min=-SAFETY_BOUND, max=SAFETY_BOUND))
+            out.append(~((w >= v["low"]) & (w <= v["high"])))
+        return _slime_unrows(L, out)
+
+    return ref
+
+
+def slime_veto(L: Log, v: dict, dt) -> np.ndarray:
+    """calculate_veto_mask: a sequence with any loss token l < log(torch.tensor(threshold))
+    (a float32 tensor, whatever l's dtype) is masked."""
+    t = torch.log(torch.tensor(v["v"]))
+    out = []
+    for x, m in _slime_rows(L, dt):
+        out.append(((x < t) & m.bool()).any().expand_as(x))
+    return _slime_unrows(L, out)
+
+
+def _slime_unrows(L: Log, rows) -> np.ndarray:
+    per = np.zeros((L.n_seq, max(L.width, 1)), dtype=bool)
+    for i, r in enumerate(rows):
+        per[i, : r.numel()] = r.numpy()
+    return per[L.seq, L.pos]
+
+
 # ----------------------------------------------------------------------------- NeMo-RL
 
 
@@ -510,6 +591,15 @@ REFERENCES: dict[str, tuple[Ref, str]] = {
     "seq-max-k2@verl": (verl_seq_max_k2, "verl rollout_corr_helper.py seq_max_k2 @ b178a3c"),
     "opsm@trl": (trl_opsm, "trl grpo_trainer.py get_off_policy_mask @ f2cd577"),
     "prob-error@nemo-rl": (nemo_prob_error, "NeMo-RL grpo.py @ 7ea279a"),
+    "tis@slime": (slime_vanilla_tis, "slime loss.py vanilla_tis_function @ 624b824"),
+    "icepop@slime": (slime_icepop, "slime loss.py icepop_function @ 624b824"),
+    "token-mis@slime": (slime_mis("token"), "slime mis.py compute_mis_weights @ 624b824"),
+    "seq-mis@slime": (slime_mis("sequence"), "slime mis.py compute_mis_weights @ 624b824"),
+    "geo-mis@slime": (slime_mis("geometric"), "slime mis.py compute_mis_weights @ 624b824"),
+    "veto@slime": (slime_veto, "slime mis.py calculate_veto_mask @ 624b824"),
+    "tis@skyrl": (skyrl_tis_token, "SkyRL off_policy_correction_utils.py @ a956457"),
+    "token-mis@skyrl": (skyrl_token_mask, "SkyRL off_policy_correction_utils.py @ a956457"),
+    "seq-mis@skyrl": (skyrl_product, "SkyRL off_policy_correction_utils.py @ a956457"),
 }
 # the 'lo_hi' threshold each verl k1 preset stands for (verl's own spelling)
 VERL_K1_SPECS = {
@@ -526,4 +616,8 @@ DOCS_ONLY = (
     "gspo@paper",
 )
 # thresholds the tests give presets without a default (verl's token_k2/k3 need one)
-EXTRA_VALUES = {"token-k2@verl": {"hi": 0.5}, "token-k3@verl": {"hi": 0.5}}
+EXTRA_VALUES = {
+    "token-k2@verl": {"hi": 0.5},
+    "token-k3@verl": {"hi": 0.5},
+    "token-mis@skyrl": {"low": 0.5, "high": 2.0},  # SkyRL's defaults are None (off)
+}

@@ -16,10 +16,22 @@ from mismatch_replay import analysis, engine, fast, ingest
 from mismatch_replay.analysis import search
 from mismatch_replay.analysis.tail_counts import TailCounts
 from mismatch_replay.engine import readout
-from mismatch_replay.rules import parse_rule
+from mismatch_replay.rules import parse_rule as _parse_rule
 
 TOKEN_SPECS = (*TOKEN_RULES, "icepop@prime-rl", "kpop@prime-rl")
 FUSED = fast.backend() == "numba"
+
+
+def parse_rule(spec: str):
+    """The tail is the fused path's (float64): presets in exact arithmetic here (a float32
+    preset runs on the simple path, which keeps no tail)."""
+    return _parse_rule(spec).replace(precision="float64")
+
+
+@pytest.fixture(autouse=True)
+def _exact():
+    with engine.use_precision("float64"):
+        yield
 
 
 def _log(tmp_path, seed: int, **kw) -> tuple[pl.DataFrame, object]:

@@ -74,6 +74,8 @@ def _l_ties(space: str, bound: float, prec: str) -> list[float]:
         return [float(v) for v in _nbrs(t, npdt)]
     if space == "k1":  # -clip(l) against log(bound), a Python float against the tensor
         return [-float(v) for v in _nbrs(math.log(bound), npdt)]
+    if space == "l":  # l against a fixed float32 value (slime's veto)
+        return [float(x) for x in _nbrs(bound, npdt)]
     if space == "drop":  # lq - lp against bound
         return [-float(v) for v in _nbrs(bound, npdt)]
     if space == "k2":
@@ -134,6 +136,9 @@ def _spaces(spec: str, rule) -> list[tuple[str, float]]:
     if name in ("ppo-clip", "dual-clip"):
         out = [(ratio, 1 - v["eps_low"]), (ratio, 1 + v["eps_high"])]
         return out + ([("ratio", v["c"])] if "c" in v else [])
+    if name == "veto":  # l against log(torch.tensor(v)), a float32 tensor
+        t = float(torch.log(torch.tensor(v["v"])))
+        return [("l", t)]
     if name == "prob-error":
         return [("ratio", v["tau"])]  # exp(|l|) against tau
     if name == "opsm":

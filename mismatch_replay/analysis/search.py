@@ -170,6 +170,22 @@ class Search:
         keep = np.r_[True, v[1:] != v[:-1]]
         self.values, self.hits = v[keep], h[keep]
 
+    def _adjacent32(self, a: float, b: float) -> bool:
+        """A float32 replay compares float32 thresholds (engine.Job.thresholds), some made
+        from the value rounded to float32 first (a log of a float32 bound): a bracket whose
+        ends, or their thresholds, round to the same or to adjacent float32 values cannot
+        be split."""
+        if self.job.rule.precision != "float32":
+            return False
+
+        def adjacent(x, y) -> bool:
+            lo, hi = min(x, y), max(x, y)
+            return bool(lo == hi or np.nextafter(lo, np.float32(np.inf)) == hi)
+
+        with np.errstate(over="ignore"):
+            ta, tb = (np.float32(self.job.rule.threshold(self.job.param, v)) for v in (a, b))
+            return adjacent(np.float32(a), np.float32(b)) or adjacent(ta, tb)
+
     def state(self, target: float, tol: float):
         """(best value, its fraction, status, bracket or None)."""
         f = self.hits / self.tokens
@@ -191,7 +207,7 @@ class Search:
             return vt[best], ft[best], msg, None
         k = int(above[-1])
         a, b = vt[k], vt[k + 1]
-        if abs(b - a) <= 1e-12 * max(abs(a), abs(b), 1e-300):
+        if abs(b - a) <= 1e-12 * max(abs(a), abs(b), 1e-300) or self._adjacent32(a, b):
             msg = f"ties: the fraction jumps from {ft[k]:.3g} to {ft[k + 1]:.3g} at one value"
             return vt[best], ft[best], msg, None
         return vt[best], ft[best], "refine", (a, b)

@@ -361,7 +361,15 @@ _BASE_STATS = (
     SeqStat("sum_lc", "sum", "lc", _CLAMPED, doc="sum of clip(l, -20, 20) (verl's k1)"),
     SeqStat("sum_k3c", "sum", "k3_verl", _CLAMPED, doc="sum of verl's token_k3"),
 )
-F32_TWINS = ("sum_l", "sum_k3", "max_k2", "min_l", "sum_exp_abs_l", "sum_lc", "sum_k3c")
+F32_TWINS = (
+    "sum_l",
+    "sum_k3",
+    "max_k2",
+    "min_l",
+    "sum_exp_abs_l",
+    "sum_lc",
+    "sum_k3c",
+)
 SEQ_STATS: tuple[SeqStat, ...] = (
     *_BASE_STATS,
     *(
@@ -838,7 +846,6 @@ FRAMEWORK_OF = {
     "skyrl": "SkyRL",
     "nemo-rl": "NeMo-RL",
     "slime": "slime",
-    "slime-geo": "slime",
 }
 # Each framework's arithmetic on the tensors a real run holds: (precision, where the code
 # shows it). Every one computes its masks on float32 log-prob tensors.
@@ -871,13 +878,13 @@ FRAMEWORK_PRECISION = {
     ),
     "NeMo-RL": (
         "float32",
-        "NeMo-RL nemo_rl/algorithms/loss_functions.py @ 7ea279a (prev_logprobs and "
-        "generation_logprobs as float32 tensors)",
+        "NeMo-RL nemo_rl/algorithms/loss/utils.py:82 @ 7ea279a (logprobs.to(torch.float32); "
+        "grpo.py:2513 masks on them)",
     ),
     "slime": (
         "float32",
-        "slime slime/backends/megatron_utils/loss.py @ 624b824 (log_probs and "
-        "rollout_log_probs float32)",
+        "slime slime/backends/megatron_utils/loss.py:128 @ 624b824 (assert logits.dtype == "
+        "torch.float32: the log-probs the TIS/MIS functions read are float32)",
     ),
 }
 

@@ -25,6 +25,7 @@ from .base import (
     RATIO_LOW,
     REAL,
     SKYRL_OPC,
+    SLIME_TIS,
     TRL_GRPO,
     UNIT,
     VERL_RC,
@@ -36,6 +37,7 @@ from .base import (
     register,
     safe_log,
     select,
+    tensor_log,
 )
 
 # ---- sequence rules (read SeqStats)
@@ -155,16 +157,32 @@ class SeqMIS(_SeqBand):
         Param("low", "lower bound on the product ratio", "0.0001:0.99:121:log", domain=RATIO_LOW),
         Param("high", "upper bound on the product ratio", "1.01:10000:121:log", domain=RATIO_HIGH),
     )
-    presets = {"verl": {"low": 0.5, "high": 2.0}, "trl": {"low": 0.0, "high": 3.0}}
+    presets = {
+        "verl": {"low": 0.5, "high": 2.0},
+        "trl": {"low": 0.0, "high": 3.0},
+        "slime": {"low": 0.5, "high": 2.0},
+        "skyrl": {"low": 0.5, "high": 2.0},
+    }
     preset_notes = {
+        "slime": "compute_mis_weights, rs_level sequence: exp(clip(S_i, -20, 20)) kept in "
+        "[0.5, 2.0] (mis.yaml's bounds)",
+        "skyrl": "compute_sequence_mask (product): exp(clip(S_i, -20, 20)) outside "
+        "[product_mask_low, product_mask_high], float32",
         "verl": "seq_sum_k1 '0.5_2.0': -sum of clip(l, -20, 20) against [log 0.5, log 2] "
         "(verl's k1 bands are inverted, but this one is symmetric)",
         "trl": "sequence_mask: exp(S_i) > C_max (no C_min), in ratio space",
     }
-    preset_arith = {"verl": "verl-k1", "trl": "ratio"}
+    preset_arith = {
+        "verl": "verl-k1",
+        "trl": "ratio",
+        "slime": "ratio-clamp",
+        "skyrl": "ratio-clamp",
+    }
     preset_sources = {
         "verl": f"{VERL_RC} compute_rollout_rejection_mask (seq_sum_k1) @ b178a3c",
         "trl": f"{TRL_GRPO} sequence_mask",
+        "slime": f"{SLIME_TIS} compute_mis_weights (rs_level sequence, mask())",
+        "skyrl": f"{SKYRL_OPC} compute_sequence_mask (product)",
     }
     low: float | None = 0.5
     high: float | None = 2.0
@@ -196,12 +214,15 @@ class GeoMIS(_SeqBand):
     presets = {
         "verl": {"low": 1 / 1.001, "high": 1 / 0.999},
         "skyrl": {"low": 0.99, "high": 1.01},
+        "slime": {"low": 0.9999, "high": 1.0001},
         "prime-rl-legacy": {"low": 0.1, "high": 10.0},
     }
     preset_notes = {
         "verl": "seq_mean_k1 '0.999_1.001' (verl's default): -mean of clip(l, -20, 20) "
         "against [log 0.999, log 1.001], i.e. exp(G) kept in [1/1.001, 1/0.999]",
         "skyrl": "geometric: exp(clip(G_i, -20, 20)) outside [low, high], ratio space",
+        "slime": "compute_mis_weights, rs_level geometric: exp(clip(G_i, -20, 20)) kept in "
+        "[0.9999, 1.0001] (mis.yaml: 'for Geometry level')",
         "prime-rl-legacy": "exp(G_i) outside [geo_mask_low, geo_mask_high], ratio space",
     }
     preset_quirks = {
@@ -209,10 +230,16 @@ class GeoMIS(_SeqBand):
         "its default '0.999_1.001' keeps exp(G) in [0.999001, 1.001001]; this preset "
         "follows the code.",
     }
-    preset_arith = {"verl": "verl-k1", "skyrl": "ratio-clamp", "prime-rl-legacy": "ratio"}
+    preset_arith = {
+        "verl": "verl-k1",
+        "skyrl": "ratio-clamp",
+        "slime": "ratio-clamp",
+        "prime-rl-legacy": "ratio",
+    }
     preset_sources = {
         "verl": f"{VERL_RC} compute_rollout_rejection_mask (seq_mean_k1) @ b178a3c",
         "skyrl": f"{SKYRL_OPC} compute_sequence_mask (geometric)",
+        "slime": f"{SLIME_TIS} compute_mis_weights (rs_level geometric, mask())",
         "prime-rl-legacy": f"{PRIME_LOSS} compute_loss (geo_mask) @ 5f47740",
     }
     low: float | None = 0.999
@@ -281,9 +308,18 @@ class Veto(Rule):
             "v", "ratio below which one token vetoes its sequence", "1e-8:0.99:121:log", domain=UNIT
         ),
     )
+    presets = {"slime": {"v": 1e-4}}
+    preset_notes = {
+        "slime": "calculate_veto_mask: l < log(torch.tensor(1e-4)), the log of a float32 "
+        "tensor whatever the log-probs' dtype (rs_veto_threshold 1.0e-4 in mis.yaml)",
+    }
+    preset_arith = {"slime": "log-tensor"}
+    preset_sources = {"slime": f"{SLIME_TIS} calculate_veto_mask"}
     v: float | None = 1e-4
 
     def threshold(self, param, value):
+        if self.arith == "log-tensor":  # torch.tensor(v) is float32, its log too
+            return -tensor_log(value, "float32")
         return -safe_log(value)
 
     def score(self, s, param):

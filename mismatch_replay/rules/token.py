@@ -29,6 +29,9 @@ from .base import (
     PRIME_LOSS_NOW,
     RATIO_HIGH,
     RATIO_LOW,
+    SKYRL_OPC,
+    SLIME_LOSS,
+    SLIME_TIS,
     TRL_GRPO,
     UNIT,
     VERL_CORE,
@@ -162,9 +165,12 @@ class IcePop(Rule):
         "prime-rl-legacy": {"low": 0.2, "high": 5.0},
         "verl": {"low": 0.5, "high": 5.0},
         "areal": {"low": 0.5, "high": 5.0},
+        "slime": {"low": 0.0, "high": 2.0},
         "paper": {"low": 0.5, "high": 5.0},
     }
     preset_notes = {
+        "slime": "icepop_function: exp(l) kept in [tis_clip_low, tis_clip] (defaults 0 and 2), "
+        "ratio space, unclamped",
         "prime-rl": "IcePopLoss: l < log(low) or l > log(high), the logs computed as tensors "
         "of the log-probs' dtype (log space, strict)",
         "prime-rl-legacy": "default_loss_fn before the 2026-09 refactor: exp(l) against "
@@ -177,6 +183,7 @@ class IcePop(Rule):
         "prime-rl-legacy": "ratio",
         "verl": "ratio-clamp",
         "areal": "ratio",
+        "slime": "ratio",
     }
     precision_causes = {
         "areal": "its log ratio is float32 (.float() before the subtraction): a ratio within "
@@ -187,6 +194,7 @@ class IcePop(Rule):
         "prime-rl-legacy": f"{PRIME_LOSS} default_loss_fn @ 3c3248d",
         "verl": f"{VERL_RC} compute_rollout_rejection_mask (token) @ 7522bef",
         "areal": f"{AREAL_FN} apply_rejection_sampling",
+        "slime": f"{SLIME_LOSS} icepop_function (line 908)",
     }
     quantities = {"low": "log r", "high": "log r"}
     arith_margins = {
@@ -246,21 +254,35 @@ class TokenMIS(IcePop):
         "verl": {"low": 0.5, "high": 5.0},
         "trl": {"low": 0.5, "high": 2.0},
         "verl-k1": {"low": 1 / 1.6, "high": 1 / 0.6},
+        "slime": {"low": 0.5, "high": 2.0},
+        "skyrl": {"low": None, "high": None},
     }
     preset_notes = {
         "verl": "exp(clip(l, -20, 20)) against [low, high] in ratio space",
         "trl": "token_mask: exp(l) against [C_min, C_max] in ratio space (TRL's docs' example)",
         "verl-k1": "verl's token_k1 rejection at its own example threshold '0.6_1.6'",
+        "slime": "compute_mis_weights, rs_level token (mis.yaml: rs bounds = tis bounds 0.5 "
+        "and 2.0): exp(clip(l, -20, 20)) kept in [low, high]",
+        "skyrl": "compute_token_mask: exp(clip(l, -20, 20)) (safe_exp_delta, float32) kept in "
+        "[low, high]; SkyRL's token_mask_is_threshold_low/high default to None: give both",
     }
     preset_quirks = {
         "verl-k1": "verl's *_k1 rejection with a 'lo_hi' threshold keeps 1/hi <= r <= 1/lo: "
         "its example '0.6_1.6' keeps r in [0.625, 1.667], not [0.6, 1.6]; this preset "
         "follows the code. For another 'lo_hi' use token-mis@verl-k1:low=1/hi,high=1/lo.",
     }
-    preset_arith = {"verl": "ratio-clamp", "trl": "ratio", "verl-k1": "verl-k1"}
+    preset_arith = {
+        "verl": "ratio-clamp",
+        "trl": "ratio",
+        "verl-k1": "verl-k1",
+        "slime": "ratio-clamp",
+        "skyrl": "ratio-clamp",
+    }
     preset_sources = {
         "verl": f"{VERL_RC} compute_rollout_rejection_mask (token) @ 7522bef",
         "trl": f"{TRL_GRPO} token_mask",
+        "slime": f"{SLIME_TIS} compute_mis_weights (rs_level token, mask())",
+        "skyrl": f"{SKYRL_OPC} compute_token_mask",
         "verl-k1": f"{VERL_RC} compute_rollout_rejection_mask (token_k1) @ b178a3c",
     }
     low: float | None = 0.5
@@ -580,15 +602,26 @@ class TIS(Rule):
     definition = "weight min(r, cap), detached; truncated when r > cap"
     kind = "weight"
     params = (Param("cap", "weight cap", "1.01:100:121:log", domain=POSITIVE),)
-    presets = {"verl": {"cap": 2.0}, "paper": {"cap": 2.0}, "trl": {"cap": 3.0}}
+    presets = {
+        "verl": {"cap": 2.0},
+        "paper": {"cap": 2.0},
+        "trl": {"cap": 3.0},
+        "slime": {"cap": 2.0},
+        "skyrl": {"cap": 2.0},
+    }
     preset_notes = {
         "verl": "exp(clip(l, -20, 20)) > cap, in ratio space",
         "trl": "token_truncate: exp(l) > C_max, in ratio space",
+        "slime": "vanilla_tis_function: exp(l) clamped to [tis_clip_low, tis_clip] (0, 2), "
+        "truncated where the clamp changes it (exp(l) > 2), unclamped l",
+        "skyrl": "compute_tis_ratio (token): exp(clip(l, -20, 20)) > token_tis_ratio_clip_high",
     }
-    preset_arith = {"verl": "ratio-clamp", "trl": "ratio"}
+    preset_arith = {"verl": "ratio-clamp", "trl": "ratio", "slime": "ratio", "skyrl": "ratio-clamp"}
     preset_sources = {
         "verl": f"{VERL_RC} compute_rollout_correction_weights (token) @ b178a3c",
         "trl": f"{TRL_GRPO} token_truncate",
+        "slime": f"{SLIME_LOSS} vanilla_tis_function (line 884)",
+        "skyrl": f"{SKYRL_OPC} compute_tis_ratio (token)",
     }
     quantities = {"cap": "log r"}
     arith_margins = {"ratio": RATIO_MARGIN, "ratio-clamp": RATIO_MARGIN}
