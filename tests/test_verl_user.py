@@ -36,6 +36,25 @@ def _golden_l() -> np.ndarray:
     return (d["trainer_logprob"] - d["inference_logprob"]).to_numpy()
 
 
+def _needs_two(spec: str) -> bool:
+    """A preset that leaves two or more parameters unset (SkyRL's token-mis: the user sets
+    both bounds): choose cannot sweep one side with the other unknown."""
+    return sum(v is None for v in parse_rule(spec).values().values()) >= 2
+
+
+def _filled(spec: str) -> str:
+    """A preset SPEC with each parameter it leaves unset (token-k3@verl's hi) at the middle
+    of that parameter's default grid: a setting compare and the report can replay."""
+    from mismatch_replay.rules.spec import parse_grid
+
+    rule = parse_rule(spec)
+    unset = [k for k, v in rule.values().items() if v is None]
+    if not unset:
+        return spec
+    vals = {k: float(np.median(parse_grid(rule.param(k).grid))) for k in unset}
+    return rule.replace(**vals).spec()
+
+
 def test_every_preset_has_a_spec():
     assert len(PRESETS) >= 40 and "token-k3@verl" in PRESETS and "token-mis@verl-k1" in PRESETS
 
@@ -44,6 +63,10 @@ def test_every_preset_has_a_spec():
 def test_choose_each_preset_alone(spec):
     """The crash of issue 36 (KeyError 'bits': a tail that kept no token) for
     token-k3@verl, token-k2@verl, token-mis@verl-k1 alone; every preset alone answers."""
+    if _needs_two(spec):  # a preset that leaves both bounds to the user: a clear refusal
+        with pytest.raises(UsageError, match="has no default for"):
+            analysis.choose([GOLDEN], 0.005, [spec], bootstrap=20)
+        return
     rows = analysis.choose([GOLDEN], 0.005, [spec], bootstrap=20)
     assert len(rows) >= 1
     for r in rows:
@@ -65,7 +88,8 @@ def test_choose_preset_pairs():
     """Consecutive pairs covering every preset: each rule answers as it does alone (the
     same threshold: the answer does not depend on the other rule)."""
     alone = {}
-    for a, b in zip(PRESETS[::2], PRESETS[1::2] + PRESETS[:1], strict=False):
+    ok = [s for s in PRESETS if not _needs_two(s)]
+    for a, b in zip(ok[::2], ok[1::2] + ok[:1], strict=False):
         rows = analysis.choose([GOLDEN], 0.005, [a, b], bootstrap=0)
         for r in rows:
             alone.setdefault(r.spec.partition(":")[0] + r.param, set()).add(round(r.value, 12))
@@ -74,7 +98,7 @@ def test_choose_preset_pairs():
 
 def test_compare_preset_pairs():
     """Consecutive pairs of the mask presets through compare: the four cells add up."""
-    specs = [s if None not in parse_rule(s).values().values() else f"{s}:hi=0.002" for s in MASKS]
+    specs = [_filled(s) for s in MASKS]
     for a, b in zip(specs, specs[1:] + specs[:1], strict=True):
         res = analysis.compare([GOLDEN], a, b)
         assert res.both + res.only_a + res.only_b + res.neither == res.tokens == 19598
@@ -88,6 +112,10 @@ def test_compare_refuses_weight_presets_with_a_sentence():
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", PRESETS)
 def test_report_data_each_preset_alone(spec):
+    if _needs_two(spec):
+        with pytest.raises(UsageError, match="has no default for"):
+            analysis.report_data([GOLDEN], [spec], 0.005, bootstrap=0)
+        return
     data, dec = analysis.report_data([GOLDEN], [spec], 0.005, bootstrap=0)
     want = parse_rule(spec).spec()
     assert dec.given and len(data.settings) == 1
@@ -104,7 +132,8 @@ def test_report_data_each_preset_alone(spec):
 
 @pytest.mark.slow
 def test_report_data_preset_pairs():
-    for a, b in zip(MASKS[::3], MASKS[1::3], strict=False):
+    ok = [s for s in MASKS if not _needs_two(s)]
+    for a, b in zip(ok[::3], ok[1::3], strict=False):
         _, dec = analysis.report_data([GOLDEN], [a, b], 0.005, bootstrap=0)
         heads = tuple(parse_rule(x).spec().partition(":")[0] for x in (a, b))
         assert tuple(x.partition(":")[0] for x in dec.pair) == heads
@@ -306,3 +335,40 @@ def test_check_per_step_json_lists_every_violating_step():
         math.isclose(g["value"], v, rel_tol=1e-9) for g, (_, v) in zip(got, want, strict=True)
     )
     assert doc["verdicts"][1]["violating_steps"]  # the rule's too
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+@pytest.fixture(scope="module")
+def golden_sweep() -> pl.DataFrame:
+    import mismatch_replay as mr
+
+    return mr.sweep([GOLDEN]).table
+
+
+def test_masked_fraction_draws_only_the_rules_given(golden_sweep):
+    from mismatch_replay.viz.curves import masked_fraction
+
+    fig = masked_fraction(golden_sweep, rules=["tis", "token-mis", "seq-max-k2"])
+    shown = [a for a in fig.axes if a.axison and a.get_title()]
+    assert len(shown) == 2  # token ratio bounds (token-MIS, TIS) and sequence divergence
+    drawn = {
+        ln.get_gid().split("|")[1]
+        for a in shown
+        for ln in a.lines
+        if (ln.get_gid() or "").startswith("sweep|")
+    }
+    assert drawn == {"tis", "token-mis", "seq-max-k2"}
+    note = fig.get_supxlabel()
+    width = max(60, int(fig.get_figwidth() * 14))
+    assert note and all(len(line) <= width for line in note.splitlines())  # not cut
+
+
+def test_preset_labels_are_whole(golden_sweep):
+    from mismatch_replay.viz.curves import masked_fraction
+
+    fig = masked_fraction(golden_sweep)
+    texts = [t.get_text() for a in fig.axes for t in a.texts]
+    assert not any("…" in t for t in texts)
+    assert any("verl, areal, paper" in t for t in texts)  # IcePop's three presets named
