@@ -112,12 +112,14 @@ def _same(fast_c: AlignmentCheck, ref: AlignmentCheck) -> None:
     assert fast_c.warnings() == ref.warnings()
 
 
+@pytest.mark.slow  # 300 hypothesis examples, numba against polars
 @settings(max_examples=300, deadline=None)
 @given(parts=batches())
 def test_alignment_kernels_give_the_polars_figures(parts):
     _same(_run(parts, "numba"), _run(parts, "numpy"))
 
 
+@pytest.mark.slow  # 150 hypothesis examples, numba against polars
 @settings(max_examples=150, deadline=None)
 @given(parts=batches())
 def test_duplicate_kernel_gives_the_polars_table(parts):

@@ -14,6 +14,8 @@ from mismatch_replay.errors import UsageError
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.slow  # a local Ray cluster: worker processes
+
 WORKERS = 3
 
 

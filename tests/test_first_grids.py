@@ -52,6 +52,7 @@ def _brute_fraction(job, tb) -> np.ndarray:
     return np.array(out)
 
 
+@pytest.mark.slow  # hypothesis examples, each a brute force over every grid
 @settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 10_000),

@@ -117,7 +117,10 @@ def test_the_jobs_run_frozen(tmp_path, monkeypatch):
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
 
 
-@pytest.mark.parametrize("job", ["sweep", "choose", "compare", "plot"])
+@pytest.mark.parametrize(
+    "job",
+    ["sweep", "choose", "compare", pytest.param("plot", marks=pytest.mark.slow)],  # every figure
+)
 def test_the_library_jobs_run_frozen(job, monkeypatch, tmp_path):
     """engine.sweep, analysis.choose and compare, viz.jobs.plot freeze what they find once
     (the outermost job: the calls inside them do not freeze again) and give it back."""

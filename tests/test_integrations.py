@@ -380,6 +380,7 @@ def report(tmp_path_factory):
     return d, data, out
 
 
+@pytest.mark.slow  # the module's whole report (its fixture)
 def test_collect_and_step_series(report):
     d, data, out = report
     assert out.html == d / "index.html"
@@ -393,6 +394,7 @@ def test_collect_and_step_series(report):
     assert only_dir.steps is None and only_dir.html == d / "index.html"
 
 
+@pytest.mark.slow  # a wandb offline run: its core process
 def test_wandb_offline_run_read_back(report, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from mismatch_replay.integrations import wandb_log
@@ -543,6 +545,7 @@ def test_wandb_targets():
         parse_target("proj")
 
 
+@pytest.mark.slow  # the module's whole report (its fixture)
 def test_tensorboard_event_files_read_back(report, tmp_path):
     pytest.importorskip("tensorboardX")
     from mismatch_replay.integrations import tensorboard_log
@@ -647,6 +650,7 @@ def test_cli_choose_from_config_emit_round_trip(tmp_path):
     assert bad.exit_code == 2 and "written as cli" in bad.stderr
 
 
+@pytest.mark.slow  # a wandb offline run: its core process, and a whole report
 def test_cli_report_wandb_and_tensorboard(tmp_path, monkeypatch):
     assert _has_flag("report", "--wandb") and _has_flag("report", "--tensorboard")
     pytest.importorskip("wandb")

@@ -192,6 +192,7 @@ def _assert_same(fused, simple, by, split: bool = False):
         assert np.array_equal(getattr(fused.tally, name), getattr(simple.tally, name)), name
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel and the numpy path
 @needs_numba
 @settings(max_examples=40)
 @given(df=logs(), data=st.data())
@@ -829,6 +830,7 @@ assert j.check_column(np.array([-1.0, -2.0]), 0.0) == 0
 """
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess)
 def test_numba_starts_without_importing_scipy_and_leaves_it_importable():
     """fast.compiled() starts numba's target without its BLAS probe (scipy.linalg, 0.2-0.3 s):
     in a fresh process scipy.linalg is not imported by it, no None entry is left behind, and
@@ -969,6 +971,7 @@ def test_without_numba_the_numpy_path_runs_with_one_note(monkeypatch):
     assert "pip install numba" in str(notes[0].message)
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess)
 def test_without_numba_the_cli_says_so_once_on_stderr(golden_log):
     import subprocess
     import sys

@@ -9,6 +9,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
+pytestmark = pytest.mark.slow  # a Jupyter kernel executes the notebook
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "choose_eps.ipynb"
 
 

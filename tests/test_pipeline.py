@@ -14,6 +14,7 @@ GOLDEN = str(Path(__file__).parent / "data" / "golden_log.parquet")
 runner = CliRunner()
 
 
+@pytest.mark.slow  # a whole plot/report: every figure drawn, the figure helper process
 def test_plot_writes_the_figures_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "figs"
     r = runner.invoke(app, ["plot", GOLDEN, "-o", str(out), "-t", "0.0025"])
@@ -35,6 +36,7 @@ def test_plot_writes_the_figures_and_refuses_to_overwrite(tmp_path):
     assert r.exit_code == 0, r.stderr
 
 
+@pytest.mark.slow  # a whole plot/report: every figure drawn, the figure helper process
 def test_report_has_figures_command_version_and_decision(tmp_path):
     out = tmp_path / "rep"
     r = runner.invoke(app, ["report", GOLDEN, "-o", str(out), "--bootstrap", "20"])
@@ -51,6 +53,7 @@ def test_report_has_figures_command_version_and_decision(tmp_path):
     assert r.exit_code == 2 and "index.html" in r.stderr and "--force" in r.stderr
 
 
+@pytest.mark.slow  # a whole plot/report: every figure drawn, the figure helper process
 @pytest.mark.skipif(not sample_path().exists(), reason="bundled sample not built")
 def test_demo_runs_on_the_bundled_sample(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -64,6 +67,7 @@ def test_demo_runs_on_the_bundled_sample(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "--force" in r.stderr
 
 
+@pytest.mark.slow  # a whole plot/report: every figure drawn, the figure helper process
 def test_report_writes_sweep_csv_and_lists_what_choose_chose(tmp_path):
     import polars as pl
 
@@ -119,6 +123,7 @@ def test_report_writes_sweep_csv_and_lists_what_choose_chose(tmp_path):
     assert r.exit_code == 2 and "--force" in r.stderr
 
 
+@pytest.mark.slow  # a whole plot/report: every figure drawn, the figure helper process
 def test_plot_and_report_without_sequence_ids_skip_the_length_figure_with_a_note(tmp_path):
     import polars as pl
 

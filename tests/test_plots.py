@@ -394,6 +394,7 @@ def sample_data():
     return analysis.figure_data([str(sample_path())])
 
 
+@pytest.mark.slow  # a real draw of masked_fraction at full size
 @pytest.mark.parametrize("which", ["golden", "sample"])
 def test_preset_labels_never_overlap(which, data, sample_data):
     """masked_fraction.png's preset labels: no two overlap, none covers a preset marker, each

@@ -23,6 +23,8 @@ import pytest
 from mismatch_replay import analysis, viz
 from mismatch_replay.viz import jobs, pool, render
 
+pytestmark = pytest.mark.slow  # figure-pool helper processes started and killed
+
 GOLDEN = Path(__file__).parent / "data" / "golden_log.parquet"
 DPI = 40
 

@@ -371,6 +371,7 @@ def test_presets_stay_on_the_fast_path_where_their_arithmetic_allows():
     assert slot("icepop@verl", "float32") == -1
 
 
+@pytest.mark.slow  # a million tokens of every kind
 def test_preset_windows_cover_the_framework_forms():
     """The windows' premise, on a million tokens of every kind (confident, rare, near the
     clamps): prime-rl's binary-KL form is within FUZZY_KL / c of the stable one, and
@@ -479,6 +480,7 @@ def test_m2po_presets_on_a_step_larger_than_the_store_chunk(logs, monkeypatch):
     assert want["float64"] == framework("m2po@areal", path)
 
 
+@pytest.mark.slow  # a whole report, twice the precision
 def test_precision_reaches_choose_compare_and_the_report(tmp_path):
     """--precision float32 as a library parameter: sweep, choose, compare, the report; a
     report line where float32 and float64 disagree by more than the threshold."""

@@ -36,6 +36,8 @@ from mismatch_replay import cli
 from mismatch_replay.cli import core, render
 from mismatch_replay.viz.jobs import sample_path
 
+pytestmark = pytest.mark.slow  # every command a child process in a pseudo-terminal
+
 GOLDEN = str(Path(__file__).parent / "data" / "golden_log.parquet")
 GOLDEN_ROWS = 20_969  # raw rows of the golden log (inspect: "rows")
 WIDTHS = (80, 120)

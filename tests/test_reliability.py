@@ -233,6 +233,7 @@ def test_partitioned_convert_refuses_a_directory_that_appears(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow  # two CLI processes
 def test_two_concurrent_converts_to_one_path_one_wins(tmp_path):
     out = tmp_path / "out.parquet"
     cmd = [sys.executable, "-m", "mismatch_replay", "convert", GOLDEN, "-o", str(out)]
@@ -450,6 +451,7 @@ _SLOW_CONVERT = """
 """
 
 
+@pytest.mark.slow  # a child process signalled mid-run
 @pytest.mark.parametrize("part", [None, "step"])
 def test_sigterm_during_convert_leaves_nothing(tmp_path, part):
     out = "o.parquet" if part is None else "hive"
@@ -462,6 +464,7 @@ def test_sigterm_during_convert_leaves_nothing(tmp_path, part):
     assert _leftovers(tmp_path) == [] and not (tmp_path / out).exists()
 
 
+@pytest.mark.slow  # a child process signalled mid-run
 @pytest.mark.parametrize("part", [None, "step"])
 def test_sigkill_during_convert_readers_skip_and_the_next_write_reclaims(tmp_path, part):
     out = "o.parquet" if part is None else "hive"
@@ -496,6 +499,7 @@ def _spills(d: Path) -> list[Path]:
     return sorted(d.glob(engine.M2PO_SPILL_PREFIX + "*"))
 
 
+@pytest.mark.slow  # a child process signalled mid-run
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_during_an_m2po_spill_removes_it(tmp_path, sig):
     tmp = tmp_path / "tmp"
@@ -509,6 +513,7 @@ def test_sigterm_during_an_m2po_spill_removes_it(tmp_path, sig):
     assert _spills(tmp) == []
 
 
+@pytest.mark.slow  # a child process signalled mid-run
 def test_sigkill_during_an_m2po_spill_is_reclaimed_by_the_next_run(tmp_path, monkeypatch):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -589,6 +594,7 @@ def test_an_unanswering_object_store_times_out_with_one_sentence(blackhole, sche
     assert str(e.value).startswith(f"{scheme}://bucket/log.parquet")
 
 
+@pytest.mark.slow  # a child process signalled mid-run
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_ctrl_c_stops_a_hung_remote_read_within_two_seconds(tmp_path, blackhole, scheme):
     pafs = pytest.importorskip("pyarrow.fs")
@@ -758,6 +764,7 @@ def test_a_fifo_is_not_reported_as_missing(tmp_path):
         ingest.plan_sources([tmp_path / ("a" * 300 + ".parquet")])
 
 
+@pytest.mark.slow  # CLI subprocesses
 def test_extreme_logprobs_print_no_numpy_warning(tmp_path):
     """|l| > 1e154 squares to inf (k2, m2po's l^2) and log10 p = -4e307 overflows the
     scatter's bin index: numpy must not print RuntimeWarnings about it (the numpy path and

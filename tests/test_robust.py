@@ -123,6 +123,7 @@ def _run(fn, bs, cols, precision="float64", state=None):
 # ----------------------------------------------------------------------------- properties
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel
 @needs_numba
 @given(batches(), cols_st)
 def test_add_robust_is_the_reference_bit_for_bit(bs, cols):
@@ -131,6 +132,7 @@ def test_add_robust_is_the_reference_bit_for_bit(bs, cols):
     assert_same(_run(robust.add_robust, bs, cols), ref)
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel
 @needs_numba
 @given(batches(nan=True), cols_st)
 def test_nan_log_ratios_too(bs, cols):
@@ -140,6 +142,7 @@ def test_nan_log_ratios_too(bs, cols):
     assert_same(_run(robust.add_robust, bs, cols), ref)
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel
 @needs_numba
 @given(batches(), cols_st)
 def test_float32_batches(bs, cols):
@@ -149,6 +152,7 @@ def test_float32_batches(bs, cols):
     assert_same(got, ref)
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel
 @needs_numba
 @given(batches(), st.booleans(), st.booleans())
 def test_batches_with_cached_arrays(bs, want_l, want_p):
@@ -169,6 +173,7 @@ def test_batches_with_cached_arrays(bs, want_l, want_p):
     assert_same(_run(warm(robust.add_robust), bs, ("step",)), ref)
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel
 @needs_numba
 @given(batches(), batches())
 def test_into_a_state_from_the_other_path(first, then):
@@ -429,6 +434,7 @@ def chunk_batches(draw):
     return out
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel, over threads
 @needs_numba
 @given(chunk_batches(), cols_st, st.integers(2, 5), st.booleans(), st.booleans())
 def test_chunks_over_threads_are_the_reference_bit_for_bit(bs, cols, threads, static, nan):
@@ -445,6 +451,7 @@ def test_chunks_over_threads_are_the_reference_bit_for_bit(bs, cols, threads, st
     assert_scratch_zero()
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel, over threads
 @needs_numba
 @given(batches(), cols_st, st.integers(2, 4))
 def test_random_batches_over_threads(bs, cols, threads):

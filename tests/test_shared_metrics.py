@@ -200,6 +200,7 @@ def _together(path, lead_part, batch_rows):
     return plan, full, step
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel, over threads
 @needs_numba
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(

@@ -13,6 +13,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from mismatch_replay.simulate import SCENARIOS, SimConfig, simulate  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the simulator: torch models, seconds each
+
 # Small but real: a pretrained 2-layer transformer, bf16 sampler, fp32 trainer, Adam.
 SMALL = {"steps": 8, "batch": 32, "seq_len": 16, "pretrain_steps": 60}
 

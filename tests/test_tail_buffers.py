@@ -126,6 +126,7 @@ def _two_threads(cls):
     return make
 
 
+@pytest.mark.slow  # hypothesis examples through the numba kernel
 @settings(max_examples=12, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

@@ -37,6 +37,7 @@ def pixels(png: bytes | Path) -> np.ndarray:
         return np.asarray(im.convert("RGBA"))
 
 
+@pytest.mark.slow  # each figure drawn twice at full size
 @pytest.mark.parametrize("name", list(viz.FIGURES))
 def test_png_has_the_pixels_of_plain_savefig(name, data, tmp_path):
     """Each figure as render writes it and as savefig alone draws it (the same build)."""
