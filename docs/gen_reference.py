@@ -38,7 +38,7 @@ FRAMEWORK_PRESETS = {
     "prime-rl": ("prime-rl", "prime-rl-legacy"),
     "verl": ("verl", "verl-k1"),
     "areal": ("areal",),
-    "slime": (),
+    "slime": ("slime",),
     "trl": ("trl",),
     "skyrl": ("skyrl",),
     "nemo-rl": ("nemo-rl",),
@@ -66,6 +66,7 @@ EMIT_CONFIGS = {
 }
 COMMANDS = (
     "inspect",
+    "diagnose",
     "check",
     "rules",
     "sweep",
@@ -307,6 +308,11 @@ EXAMPLES = {
         "commands/drift.md",
         "mismatch-replay drift data/sample_drift.parquet",
         (11, r"^drift: "),
+    ),
+    "diagnose": (
+        "commands/diagnose.md",
+        "mismatch-replay diagnose data/sample_drift.parquet",
+        None,
     ),
     "demo": ("commands/demo.md", "mismatch-replay demo -o demo", None),  # in a scratch dir
 }
