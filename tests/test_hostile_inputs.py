@@ -300,6 +300,22 @@ def test_json_toml_node_cap(tmp_path):
     refused(p, r"the JSON holds more than 100,000 values")
 
 
+def test_toml_values_counted_before_parsing(tmp_path):
+    # 1.2M array items in 8.5 MB: tomllib took 8.9 s to parse them before the node cap
+    p = tmp_path / "wide.toml"
+    p.write_text('[trainer.loss]\ntype = "ipo"\na = [' + ",".join(["1"] * 1_200_000) + "]\n")
+    refused(p, r"the TOML holds more than 100,000 keys and array items")
+
+
+def test_shell_text_word_cap(tmp_path):
+    # a 9.5 MB file of overrides took 17 s in shlex; refused from a word count first
+    p = tmp_path / "overrides.txt"
+    p.write_text("".join(f"algorithm.rollout_correction.k{i}=v{i} \\\n" for i in range(25_000)))
+    refused(p, r"50,000 words, over the limit of 20,000 for a training script")
+    p.write_text("algorithm.rollout_correction.rollout_is=token\n" + "# pad\n" * 9_000)
+    assert read_config(p).specs() == ["tis@verl:cap=2"]
+
+
 def test_c_loader_used_where_installed():
     if not getattr(yaml, "CSafeLoader", None):
         pytest.skip("PyYAML without libyaml")
@@ -462,6 +478,29 @@ def test_cli_one_line_each(tmp_path, small_log):
         assert lines[0].startswith("error: ") and match in lines[0], lines[0]
         assert Path(cfg).name in lines[0]
         assert "Traceback" not in res.output
+
+
+def test_cli_data_readers_one_line(tmp_path, monkeypatch):
+    """The §3 refusals through the CLI: exit 1 (bad data), one line naming the file."""
+    monkeypatch.setenv(safe_read.ENV_CAP, "1")
+    noline = tmp_path / "log.jsonl"
+    noline.write_bytes(b'{"trainer_logprob": -0.1, "inference_logprob": -0.2}\n' + b" " * (3 << 20))
+    bomb = tmp_path / "global_step_0_training_input.pkl"
+    bomb.write_bytes(b"\x80\x02N" + b"r" + struct.pack("<I", 1 << 28) + b".")
+    dump = tmp_path / "train_0.pt"
+    with open(dump, "wb") as f:
+        f.truncate(3 << 20)
+    cases = [
+        (noline, "line 2: longer than 1 MB without a newline"),
+        (bomb, "memo slot 268,435,456"),
+        (dump, "over the 1 MB limit for a slime train dump"),
+    ]
+    for path, match in cases:
+        res = runner.invoke(app, ["inspect", str(path)])
+        assert res.exit_code == 1, (path, res.output)
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+        assert match in lines[0] and path.name in lines[0], lines[0]
 
 
 # ============================================================================ §3: data readers

@@ -41,7 +41,8 @@ laughs" (9 levels of 9 aliases: 3.9e8 nodes) is refused after its 10 lines, and 
 inside its own anchor (a cycle) is refused by name; only then is the text loaded, with
 `yaml.CSafeLoader` where PyYAML has libyaml (~6x the pure-Python loader). A parser that
 still recurses too deep (tomllib, json) is caught at this boundary (RecursionError). Merging
-is linear in the keys (`Settings` indexes each key under its prefixes).
+is linear in the keys (`Settings` indexes each key under its prefixes). A shell text is at
+most `MAX_WORDS` (20,000) words.
 """
 
 from __future__ import annotations
@@ -224,6 +225,9 @@ def check_yaml_events(text: str, name: str, yaml, loader) -> None:
 def parse_tree(text: str, syntax: str, name: str) -> dict:
     """TOML / YAML / JSON text -> a mapping; a syntax error names the file and the line.
     Bounded: MAX_DEPTH levels, MAX_NODES nodes (YAML aliases expanded), no cycle."""
+    if syntax == "toml" and text.count("=") + text.count(",") > MAX_NODES:
+        # tomllib (pure Python) takes seconds on a 10 MB file: count its values first
+        raise _too_many(name, syntax, "keys and array items")
     try:
         if syntax == "toml":
             tree = tomllib.loads(text)
@@ -298,10 +302,22 @@ def _expand(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
+MAX_WORDS = 20_000  # words of a shell text (a launch command or override file has hundreds)
+
+
 def load_text(text: str, name: str, syntax: str | None = None) -> Loaded:
-    """Text in a given syntax (toml, yaml, json; anything else: shell-like tokens)."""
+    """Text in a given syntax (toml, yaml, json; anything else: shell-like tokens). A shell
+    text over MAX_WORDS words is refused before it is tokenized (shlex takes ~20 s on a
+    9.5 MB override file)."""
     if syntax in ("toml", "yaml", "json"):
         return Loaded(name, tree=parse_tree(text, syntax, name))
+    words = len(text.split())
+    if words > MAX_WORDS:
+        raise UsageError(
+            f"{name}: {words:,} words, over the limit of {MAX_WORDS:,} for a training script "
+            "or a file of overrides (a launch command has hundreds): check that this is the "
+            "config file."
+        )
     try:
         return Loaded(name, tokens=shell_tokens(text))
     except UsageError as exc:

@@ -83,6 +83,8 @@ def blocks(path: Path, block_bytes: int) -> Iterator[tuple[bytes, int]]:
             block = b"".join([*parts, data[: cut + 1]]) if parts else data[: cut + 1]
             rest = data[cut + 1 :]
             parts, pending = ([rest] if rest else []), len(rest)
+            if pending > cap:
+                raise line_too_long(path, line + block.count(b"\n"), cap)
             yield block, line
             line += block.count(b"\n")
 
