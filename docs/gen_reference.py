@@ -7,7 +7,9 @@ Design
   and every preset with its arithmetic and the code it was read from).
 * In each framework page (`docs/<framework>.md`), the block between
   `<!-- presets:start -->` and `<!-- presets:end -->`: that framework's presets, from the
-  same JSON.
+  same JSON; and the `config` block: its rows of docs/integrations.md's key table (the
+  config keys `--from-config` reads, which tests/test_integrations.py keeps in step with
+  `integrations/frameworks/`).
 * In each command page (`docs/commands/<command>.md`), the block between
   `<!-- options:start -->` and `<!-- options:end -->`: the command's usage, its help text and
   its options, from the definitions `--help` prints.
@@ -214,6 +216,34 @@ def _is_argument(p) -> bool:
     return p.param_type_name == "argument"
 
 
+def config_rows(framework: str) -> str:
+    """The framework's rows of docs/integrations.md's key table ("The key mappings": one
+    table, a row per setting, the framework named on its first row), as a table of its own."""
+    text = (DOCS / "integrations.md").read_text()
+    head = "| framework | keys read (default) | rule | checked in |"
+    if text.count(head) != 1:
+        raise ValueError(f"docs/integrations.md: needs exactly one table headed {head!r}")
+    rows, current = [], None
+    for line in text[text.index(head) :].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        current = cells[0] or current
+        if current == FRAMEWORK_TITLES[framework]:
+            rows.append("| " + " | ".join(cells[1:]) + " |")
+    if not rows:
+        raise ValueError(f"docs/integrations.md: no row for {FRAMEWORK_TITLES[framework]}")
+    return "\n".join(
+        [
+            "From [Integrations](integrations.md), where every framework's mapping is.",
+            "",
+            "| keys read (default) | rule replayed | checked in |",
+            "|---|---|---|",
+            *rows,
+        ]
+    )
+
+
 def _usage(name: str, params) -> str:
     args = []
     for p in params:
@@ -386,6 +416,7 @@ def pages(records: list[dict] | None = None, examples: bool = False) -> dict[Pat
         if fw == "verl" or not page.exists():  # the verl page is written by hand entirely
             continue
         text = replace_block(page.read_text(), "presets", framework_presets(records, fw), page)
+        text = replace_block(text, "config", config_rows(fw), page)
         if examples:
             text = replace_block(text, "emit", emit_example(fw), page)
         out[page] = text
