@@ -84,10 +84,13 @@ def run(fn: Callable[[], None]) -> None:
     import warnings
 
     show = warnings.showwarning
+    said: set[str] = set()  # a warning once a command (a log planned twice warns twice)
 
     def _show(message, category, filename, lineno, file=None, line=None):
         if category.__module__.startswith("mismatch_replay"):
-            render.warn(str(message))
+            if str(message) not in said:
+                said.add(str(message))
+                render.warn(str(message))
         else:
             show(message, category, filename, lineno, file, line)
 
