@@ -28,6 +28,12 @@ Conventions taken from RULES.md, and where RULES.md leaves a choice, the one sta
 Result per group: tokens, masked_tokens, truncated_tokens, sequences, masked_sequences,
 masked_mass (sum of |dp| over masked tokens), masked_mass_fraction (None when the total is 0),
 weight_mean / weight_max / weight_ess (None for mask rules).
+What a mask costs (RULES.md), over the masked tokens (a weight rule's truncated ones; a
+sequence rule's masked sequences' tokens), None without an advantage column:
+masked_corrective (A * dp < 0), masked_divergent (A * dp > 0), masked_neutral (the rest),
+masked_corrective_fraction, masked_adv_mass (sum of |A|), masked_adv_mass_fraction (over
+every token's |A|); with an `entropy` column, entropy_mean and masked_entropy_mean (finite
+entropies only; None where there are none).
 """
 
 from __future__ import annotations
@@ -150,6 +156,7 @@ class Log:
         self.adv = (
             df["advantage"].cast(pl.Float64).to_numpy() if "advantage" in df.columns else None
         )
+        self.ent = df["entropy"].cast(pl.Float64).to_list() if "entropy" in df.columns else None
         lp, lq = self.lp, self.lq
         with np.errstate(over="ignore"):
             self.l = lp - lq
@@ -353,6 +360,7 @@ def evaluate(
             "weight_max": None,
             "weight_ess": None,
         }
+        res |= _cost(L, [i for i in tok if masked[i] or trunc[i]], tok)
         if L.sid is not None:
             seqs = g["seqs"]
             res["sequences"] = len(seqs)
@@ -367,6 +375,50 @@ def evaluate(
             res["weight_ess"] = s1 * s1 / (len(w) * s2) if s2 > 0 else None
         out[gkey] = res
     return out
+
+
+def _cost(L: Log, hit: list[int], tok: list[int]) -> dict:
+    """What masking the tokens `hit` of the group's tokens `tok` costs, token by token."""
+    out = dict.fromkeys(COST_KEYS)
+    if L.adv is not None:
+        corr = div = 0
+        for i in hit:
+            a, d = L.adv[i], L.l[i]  # sign(p - q) = sign(lp - lq)
+            if (a > 0 and d < 0) or (a < 0 and d > 0):
+                corr += 1
+            elif (a > 0 and d > 0) or (a < 0 and d < 0):
+                div += 1
+        am = _fsum(abs(L.adv[i]) for i in hit)
+        tot = _fsum(abs(L.adv[i]) for i in tok)
+        out |= {
+            "masked_corrective": corr,
+            "masked_divergent": div,
+            "masked_neutral": len(hit) - corr - div,
+            "masked_corrective_fraction": corr / (corr + div) if corr + div else None,
+            "masked_adv_mass": am,
+            "masked_adv_mass_fraction": am / tot if tot > 0 else None,
+        }
+    if L.ent is not None:
+
+        def mean(idx):
+            v = [L.ent[i] for i in idx if L.ent[i] is not None and math.isfinite(L.ent[i])]
+            return _fsum(v) / len(v) if v else None
+
+        out["entropy_mean"] = mean(tok)
+        out["masked_entropy_mean"] = mean(hit)
+    return out
+
+
+COST_KEYS = (
+    "masked_corrective",
+    "masked_divergent",
+    "masked_neutral",
+    "masked_corrective_fraction",
+    "masked_adv_mass",
+    "masked_adv_mass_fraction",
+    "entropy_mean",
+    "masked_entropy_mean",
+)
 
 
 def sweep(

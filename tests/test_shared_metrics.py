@@ -296,7 +296,7 @@ def test_a_follower_on_other_chunks_runs_its_own_pass(tmp_path):
             with patched(threads=threads_follower):
                 follow._fused_state()
             lead.sequences.lead([follow.sequences])
-            cols = sorted(c for c in df.columns if c != "advantage")  # as the replays read
+            cols = sorted(df.columns)  # as the replays read (the advantage: what a mask costs)
             assert lead.lead_metrics(follow, cols, cols)
             for _, batch in ingest.iter_batches(plan, cols, lead.report):
                 lead.add_batch(batch)

@@ -23,8 +23,14 @@ takes settings already found (`budget_settings`, e.g. choose's, as the report do
 (it ranks whole steps) and weight rules (they mask nothing) are refused.
 
 The answer is a `CompareResult`; `to_dict()` is the JSON `compare --json` prints. The
-disputed tokens are plain records (`dict`: masked_by, q, p, abs_dp, log_ratio and the
-step / sample_id / position the log has), as drift's spike tokens are.
+disputed tokens are plain records (`dict`: masked_by, q, p, abs_dp, log_ratio, direction
+and the step / sample_id / position the log has), as drift's spike tokens are.
+
+What a mask costs (RULES.md, engine/bins.direction_class): where the log has an advantage,
+each cell also counts its corrective, divergent and neutral tokens and its |A| mass, and each
+disputed token says its direction ("corrective", "divergent", "neutral"; None without an
+advantage). From the tail, "neither" is again the replay's totals minus the rest (its token
+job's per-bin direction sums).
 """
 
 from __future__ import annotations
@@ -75,9 +81,24 @@ class Cell:
     mean_q: float | None  # None: no token in the cell
     mean_p: float | None
     mass: float  # sum of |p - q|
+    # what masking the cell costs (None: the log has no advantage column)
+    corrective: int | None = None  # A * (p - q) < 0: the update moves p back toward q
+    divergent: int | None = None  # A * (p - q) > 0
+    neutral: int | None = None  # A == 0 or p == q
+    adv_mass: float | None = None  # sum of |A|
 
     def to_dict(self) -> dict:
         return _plain(self)
+
+
+_DIRECTION = np.array(["neutral", "corrective", "divergent"], dtype=object)
+
+
+def _cost_acc(acc: dict, cell: np.ndarray, lp, lq, adv) -> None:
+    """Add the tokens' direction classes and |A| per cell (4) into acc (corr, div, amass)."""
+    d = engine.direction_class(lp, lq, adv)
+    for name, w in (("corr", d == 1), ("div", d == 2), ("amass", np.abs(adv))):
+        acc[name] = acc.get(name, np.zeros(4)) + np.bincount(cell, weights=w, minlength=4)
 
 
 @dataclass
@@ -312,12 +333,19 @@ def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult |
     mb[np.searchsorted(rows, rb)] = True
     tb = tc.batch(rows)
     c = np.where(ma & mb, 0, np.where(ma, 1, 2))
+    a = tc.tail.arrays()
+    adv = a["advantage"][rows] if "advantage" in a and tc.main.has_adv else None
     edges = np.asarray(engine.Q_BUCKET_EDGES)
     nb = edges.size
     qb = np.searchsorted(edges, tb.q, side="right") - 1
     w = {"q": tb.q, "p": tb.p, "mass": tb.abs_dp}
     acc = {"count": np.bincount(c, minlength=4).astype(np.float64)}
     acc |= {k: np.bincount(c, weights=v, minlength=4) for k, v in w.items()}
+    totals = _cost_totals(tc.main) if adv is not None else None
+    if totals is not None:
+        _cost_acc(acc, c, tb.lp, tb.lq, adv)
+        for k, total in totals.items():
+            acc[k][3] = total - acc[k][:3].sum()
     tot = tc.main.metrics.total().s
     n = float(tc.tail.tokens)
     for k, total in (
@@ -330,7 +358,7 @@ def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult |
     bucket = np.bincount(c * nb + qb, minlength=4 * nb).reshape(4, nb).astype(np.float64)
     bucket[3] = tc.tail.q_counts - bucket[:3].sum(axis=0)
     top: dict[str, dict[str, np.ndarray]] = {}
-    a = tc.tail.arrays()
+    dirn = _DIRECTION[engine.direction_class(tb.lp, tb.lq, adv)] if totals is not None else None
     for side, code in (("a", 1), ("b", 2)):
         dis = np.flatnonzero(c == code) if examples else np.zeros(0, np.int64)
         if dis.size:
@@ -341,8 +369,21 @@ def _from_tail(plan, pr: Pair, tc: TailCounts, examples: int) -> CompareResult |
                 "p": tb.p[keep],
                 "abs_dp": tb.abs_dp[keep],
                 "log_ratio": tb.l[keep],
+                "direction": dirn[keep] if dirn is not None else np.full(keep.size, None),
             } | {col: a[col][rows[keep]] for col in ("step", "sample_id", "position") if col in a}
     return _compare_result(plan, pr, _Acc(acc, bucket, top), edges)
+
+
+def _cost_totals(main: engine.Tally) -> dict[str, float] | None:
+    """Every loss token's corrective and divergent count and |A| sum, from a token job's
+    bins (each token is in one bin of each job), or None where none holds them."""
+    for ji, job in enumerate(main.jobs):
+        if job.rule.level != "token":
+            continue
+        b = main.job_bins(ji)
+        if b.corr is not None and b.div is not None and b.amass is not None:
+            return {"corr": b.corr.sum(), "div": b.div.sum(), "amass": b.amass.sum()}
+    return None
 
 
 def _covered_job(rule: Rule, tc: TailCounts) -> engine.Job | None:
@@ -408,6 +449,8 @@ def _compare_pass(plan, pairs: list[Pair], examples: int, progress) -> list[Comp
             cell = np.where(ma & mb, 0, np.where(ma, 1, np.where(mb, 2, 3)))
             for name, w in (("count", None), ("q", tb.q), ("p", tb.p), ("mass", tb.abs_dp)):
                 acc[name] += np.bincount(cell, weights=w, minlength=4)
+            if adv is not None:
+                _cost_acc(acc, cell, tb.lp, tb.lq, adv)
             s.bucket += np.bincount(cell * nb + qb, minlength=4 * nb).reshape(4, nb)
             for side, code in (("a", 1), ("b", 2)):
                 dis = np.flatnonzero(cell == code) if examples else np.zeros(0, np.int64)
@@ -418,6 +461,11 @@ def _compare_pass(plan, pairs: list[Pair], examples: int, progress) -> list[Comp
                         "p": tb.p[dis],
                         "abs_dp": tb.abs_dp[dis],
                         "log_ratio": tb.l[dis],
+                        "direction": _DIRECTION[
+                            engine.direction_class(tb.lp[dis], tb.lq[dis], adv[dis])
+                        ]
+                        if adv is not None
+                        else np.full(dis.size, None),
                     } | {
                         c: df[c].to_numpy()[dis]
                         for c in ("step", "sample_id", "position")
@@ -448,6 +496,7 @@ def _compare_result(plan, pr: Pair, s: _Acc, edges: np.ndarray) -> CompareResult
             mean_q=acc["q"][i] / cnt if cnt else None,
             mean_p=acc["p"][i] / cnt if cnt else None,
             mass=float(acc["mass"][i]),
+            **_cell_cost(acc, i, cnt),
         )
     union = n[0] + n[1] + n[2]
     labels = [_bucket_label(i) for i in range(nb)]
@@ -481,6 +530,19 @@ def _compare_result(plan, pr: Pair, s: _Acc, edges: np.ndarray) -> CompareResult
             for i in range(t["q"].size)
         ],
     )
+
+
+def _cell_cost(acc: dict, i: int, cnt: int) -> dict:
+    """Cell i's direction counts and |A| mass (nothing where the log has no advantage)."""
+    if "corr" not in acc:
+        return {}
+    corr, div = int(np.rint(acc["corr"][i])), int(np.rint(acc["div"][i]))
+    return {
+        "corrective": corr,
+        "divergent": div,
+        "neutral": cnt - corr - div,
+        "adv_mass": float(acc["amass"][i]),
+    }
 
 
 def _bucket_label(j: int) -> str:

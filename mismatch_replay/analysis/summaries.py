@@ -74,7 +74,17 @@ def compare_lines(res) -> list[str]:
                 f"  {name}: mean q {num(c.mean_q, 3)}, mean p {num(c.mean_p, 3)}, "
                 f"|p - q| mass {num(c.mass, 4)}"
             )
+    for name in CELL_NAMES:  # what each cell's mask costs (with an advantage)
+        c = res.cells.get(name)
+        if c is not None and c.corrective is not None and name != "neither":
+            out.append(
+                f"  {name}: {c.corrective:,} corrective, {c.divergent:,} divergent, "
+                f"{c.neutral:,} neutral; |A| mass {num(c.adv_mass, 4)}"
+            )
     return out
+
+
+CELL_NAMES = ("both", "only_a", "only_b", "neither")
 
 
 def drift_table(res) -> pl.DataFrame:

@@ -30,7 +30,9 @@ tokens there; a count over most of the coordinate (`cover`'s union grid, a refin
 read off the sorted scores instead (`sorted_counts`, no view kept). A view keeps input
 order, so every sum over masked tokens is added in the order it would be over all of them;
 the grouped tables and compare's table compute q and |dp| for the masked tokens only
-(`batch`), the same values elementwise as for every kept token.
+(`batch`), the same values elementwise as for every kept token. The grouped tables leave
+what a mask costs (readout.COST_COLUMNS) null: the tail keeps no group's |A| and entropy
+totals; the sweep table has them.
 """
 
 from __future__ import annotations

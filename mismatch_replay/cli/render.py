@@ -439,6 +439,18 @@ def _sweep_table(
         cols += ["is_masked/ mean"] if prime else []
     else:
         cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
+    # what the mask costs (issue 32): the masked (truncated) tokens' corrective share of the
+    # corrective + divergent ones, the |A| mass removed, their mean entropy; where logged
+    cost = [
+        (k, h)
+        for k, h in (
+            ("masked_corrective_fraction", "corrective"),
+            ("masked_adv_mass_fraction", "|A| masked"),
+            ("masked_entropy_mean", "H masked"),
+        )
+        if k in part.columns and part[k].null_count() < part.height
+    ]
+    cols += [h for _, h in cost]
     for c in cols:
         left = c in ("rule [fixed]", "param")
         t.add_column(escape(c), justify="left" if left else "right", overflow="fold")
@@ -474,6 +486,7 @@ def _sweep_table(
                 fmt_num(r["weight_max"]),
                 pct(r["weight_ess"]),
             ]
+        row += [fmt_num(r[k]) if k == "masked_entropy_mean" else pct(r[k]) for k, _ in cost]
         add_row(t, *row)
     return t
 
@@ -593,7 +606,10 @@ def print_compare(res, budget: float | None) -> None:
     title = f"{'   '.join(sides)}   ({res.tokens:,} loss tokens)"
     title += f"; both at the {pct(budget)} budget" if res.settings else ""
     t = Table(title=escape(title), show_edge=False)
-    for c in ("", "tokens", "fraction", "mean q (infer)", "mean p (train)", "|dp| mass"):
+    cost = res.cells["neither"].corrective is not None  # the log has an advantage
+    heads = ["", "tokens", "fraction", "mean q (infer)", "mean p (train)", "|dp| mass"]
+    heads += ["corrective", "divergent", "|A| mass"] if cost else []
+    for c in heads:
         t.add_column(c, justify="left" if not c else "right")
     names = {"both": "masked by both", "only_a": "only A", "only_b": "only B", "neither": "neither"}
     for k, label in names.items():
@@ -606,6 +622,7 @@ def print_compare(res, budget: float | None) -> None:
             fmt_num(c.mean_q),
             fmt_num(c.mean_p),
             fmt_num(c.mass),
+            *((f"{c.corrective:,}", f"{c.divergent:,}", fmt_num(c.adv_mass)) if cost else ()),
         )
     show(t)
     out.print(f"Jaccard overlap of the masked sets: {fmt_num(res.jaccard)}")
@@ -626,13 +643,23 @@ def print_compare(res, budget: float | None) -> None:
         e = Table(title="most disputed tokens (largest |log p - log q|)", show_edge=False)
         cols = [
             c
-            for c in ("masked_by", "step", "sample_id", "position", "q", "p", "abs_dp")
-            if c in res.examples[0]
+            for c in ("masked_by", "step", "sample_id", "position", "q", "p", "abs_dp", "direction")
+            if c in res.examples[0] and (c != "direction" or res.examples[0][c] is not None)
         ]
         for c in cols:
             e.add_column(c.replace("abs_dp", "|dp|"), justify="right")
         for x in res.examples:
-            add_row(e, *[x[c].upper() if c == "masked_by" else fmt_num(x[c]) for c in cols])
+            add_row(
+                e,
+                *[
+                    x[c].upper()
+                    if c == "masked_by"
+                    else x[c]
+                    if c == "direction"
+                    else fmt_num(x[c])
+                    for c in cols
+                ],
+            )
         show(e)
 
 

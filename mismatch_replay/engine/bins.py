@@ -9,6 +9,11 @@ threshold are the suffix sum over bins j > k (`suffix`): exact at every grid poi
 K. Per bin: the token count and the |dp| mass; for weight rules the sum, square sum and max
 of the natural weight (from which weight mean, max and ESS at every cap follow exactly);
 sequences per bin and, with prime-rl's conventions, the sum of 1/n over the bin's tokens.
+Where the log has an advantage, what a mask costs the gradient (RULES.md "What a mask
+costs"): the bin's corrective and divergent tokens (A * dp < 0, > 0; the rest neutral; the
+sign of dp is the sign of lp - lq, exact, no exp) and its |A| sum; with an entropy column,
+the sum and count of its finite entropies. Each is a sum per bin, so the masked ones at
+every grid point are suffix sums, exact like the counts (`direction_class`).
 
 Everything here is a sum, a max or a min, so bins of two shards add (`JobBins.absorb`).
 The fixed bucketings beside them: the scatter's 200 x 200 (q, p) histograms on linear and
@@ -96,6 +101,22 @@ class Grow:
 
 
 _ADDED = ("count", "mass", "wsum", "wsq", "seq_count", "seqfrac")
+# what a mask costs (direction_class): per bin, corrective and divergent tokens, |A| sum,
+# entropy sum and finite-entropy count; None where the log lacks the column
+DIRECTION = ("corr", "div", "amass")
+ENTROPY = ("ent", "ent_n")
+COST = (*DIRECTION, *ENTROPY)
+NEUTRAL, CORRECTIVE, DIVERGENT = 0, 1, 2
+
+
+def direction_class(lp: np.ndarray, lq: np.ndarray, adv: np.ndarray) -> np.ndarray:
+    """Each token's class (RULES.md "What a mask costs"): CORRECTIVE where A * dp < 0 (the
+    update moves p back toward q), DIVERGENT where A * dp > 0, NEUTRAL where A == 0 or
+    dp == 0. sign(dp) = sign(p - q) = sign(lp - lq), and lp - lq is 0 only when lp == lq:
+    the class is exact, with no exp. int64."""
+    l = np.asarray(lp, dtype=np.float64) - np.asarray(lq, dtype=np.float64)  # noqa: E741
+    s = np.sign(l) * np.sign(np.asarray(adv, dtype=np.float64))
+    return np.where(s < 0, CORRECTIVE, np.where(s > 0, DIVERGENT, NEUTRAL)).astype(np.int64)
 
 
 @dataclass
@@ -112,10 +133,17 @@ class JobBins:
     # each sequence's bin (sequence rules) or highest bin over its tokens (token rules, m2po),
     # by global sequence id: what the prompt-group counts read (readout.py); not additive
     seq_bin: np.ndarray | None = None
+    # what a mask costs (COST): corrective, divergent tokens, |A| sum (with an advantage);
+    # entropy sum and finite-entropy count (with an entropy column); per bin
+    corr: np.ndarray | None = None
+    div: np.ndarray | None = None
+    amass: np.ndarray | None = None
+    ent: np.ndarray | None = None
+    ent_n: np.ndarray | None = None
 
     def grow(self, groups: int) -> None:
         """At least `groups` rows (new groups: empty bins)."""
-        for name in (*_ADDED, "wmax"):
+        for name in (*_ADDED, *COST, "wmax"):
             a = getattr(self, name)
             if a is not None and a.shape[0] < groups:
                 fill = -math.inf if name == "wmax" else 0
@@ -124,12 +152,52 @@ class JobBins:
 
     def absorb(self, other: JobBins, gmap: np.ndarray) -> None:
         """Add another shard's bins of the same job; its group g is this one's gmap[g]."""
-        for name in ("count", "mass", "wsum", "wsq", "seqfrac"):
+        for name in ("count", "mass", "wsum", "wsq", "seqfrac", *COST):
             a, into = getattr(other, name), getattr(self, name)
+            if a is not None and into is None and name in COST:
+                into = self._cost(name)
             if a is not None and into is not None and a.shape[0]:
                 np.add.at(into, gmap[: a.shape[0]], a)
         if other.wmax is not None and self.wmax is not None and other.wmax.shape[0]:
             np.maximum.at(self.wmax, gmap[: other.wmax.shape[0]], other.wmax)
+
+    def _cost(self, name: str) -> np.ndarray:
+        """The COST array `name`, created empty (like count) on first use."""
+        a = getattr(self, name)
+        if a is None:
+            dt = np.int64 if name in ("corr", "div", "ent_n") else np.float64
+            a = np.zeros(self.count.shape, dtype=dt)
+            setattr(self, name, a)
+        return a
+
+    def add_cost(self, idx: np.ndarray, size: int, dirn=None, absadv=None, ent=None,
+                 cnt=None) -> None:  # fmt: skip
+        """Add items at flat (group * width + bin) `idx`: their direction classes and |A|
+        (`dirn`, `absadv`), their entropies (`ent`, non-finite ones left out); or, for
+        items that are sequences (`cnt` given), their per-sequence sums: dirn = (corrective,
+        divergent) tokens, absadv the |A| sum, ent = (entropy sum, finite count)."""
+        shape = self.count.shape
+
+        def add(name, w):
+            a = self._cost(name)
+            a += np.bincount(idx, weights=w, minlength=size).reshape(shape).astype(a.dtype)
+
+        if dirn is not None:
+            if cnt is None:
+                add("corr", (dirn == CORRECTIVE).astype(np.float64))
+                add("div", (dirn == DIVERGENT).astype(np.float64))
+            else:
+                add("corr", dirn[0])
+                add("div", dirn[1])
+            add("amass", absadv)
+        if ent is not None:
+            if cnt is None:
+                ok = np.isfinite(ent)
+                add("ent", np.where(ok, ent, 0.0))
+                add("ent_n", ok.astype(np.float64))
+            else:
+                add("ent", ent[0])
+                add("ent_n", ent[1])
 
 
 def new_bins(k: int, groups: int, weight: bool, seqfrac: bool = False) -> JobBins:
@@ -155,9 +223,13 @@ def accumulate(
     weight=None,
     count=None,
     inv_n=None,
+    dirn=None,
+    absadv=None,
+    ent=None,
 ) -> None:
     """Add items (tokens, or sequences with `count` tokens each) of bins b and groups g:
-    their count, |dp| mass, natural weights (weight rules) and 1/n sums (`inv_n`)."""
+    their count, |dp| mass, natural weights (weight rules), 1/n sums (`inv_n`) and what a
+    mask costs (`dirn`, `absadv`, `ent`: JobBins.add_cost)."""
     width = bins.count.shape[1]
     idx = g * width + b
     size = groups * width
@@ -175,6 +247,8 @@ def accumulate(
         np.maximum.at(flat, idx, weight)
     if inv_n is not None and bins.seqfrac is not None:
         bins.seqfrac += np.bincount(idx, weights=inv_n, minlength=size).reshape(groups, width)
+    if dirn is not None or ent is not None:
+        bins.add_cost(idx, size, dirn, absadv, ent, count)
 
 
 def seq_count(seq_group: np.ndarray, seq_bin: np.ndarray, width: int, G: int) -> np.ndarray:

@@ -11,8 +11,19 @@ into rows by suffix sums, so every rule reports the same columns:
 rule, setting (the fixed parameters), param, value, [group], tokens, masked_tokens,
 masked_fraction, truncated_tokens, truncated_fraction, sequences, masked_sequences,
 masked_sequence_fraction, prompt_groups, fully_masked_groups, fully_masked_group_fraction,
-masked_mass, masked_mass_fraction, is_masked_mean (prime-rl's is_masked/mean, with
-match="prime-rl"), weight_mean, weight_max, weight_ess, level, kind, spec.
+masked_mass, masked_mass_fraction, masked_corrective, masked_divergent, masked_neutral,
+masked_corrective_fraction, masked_adv_mass, masked_adv_mass_fraction, entropy_mean,
+masked_entropy_mean, is_masked_mean (prime-rl's is_masked/mean, with match="prime-rl"),
+weight_mean, weight_max, weight_ess, level, kind, spec.
+
+What a mask costs (RULES.md): the masked tokens (a weight rule's truncated ones; a sequence
+rule's masked sequences' tokens) split by the direction of their update -- corrective
+(A * dp < 0), divergent (A * dp > 0), neutral (A == 0 or dp == 0) -- with
+masked_corrective_fraction = corrective / (corrective + divergent); their |A| sum and its
+share of the loss tokens' (masked_adv_mass_fraction: the gradient signal removed); their
+mean entropy beside the group's (entropy_mean). Suffix sums of per-bin sums (bins.py), so
+exact at every value; null where the log has no advantage (entropy: no entropy column), and
+for m2po (its steps keep no per-token classes).
 
 The functions here read a Tally (tally.py) through its public methods only -- jobs, groups,
 `job_bins`, `prompt_layout`, `seq_stats`, the bootstrap counts -- and tally.py imports this
@@ -71,6 +82,17 @@ COUNT_COLUMNS = (
     "weight_max",
     "weight_ess",
 )
+# what a mask costs (the module docstring); null without the log's column
+COST_COLUMNS = (
+    "masked_corrective",
+    "masked_divergent",
+    "masked_neutral",
+    "masked_corrective_fraction",
+    "masked_adv_mass",
+    "masked_adv_mass_fraction",
+    "entropy_mean",
+    "masked_entropy_mean",
+)
 # prompt groups (the log has a group_id): see the module docstring
 GROUP_COLUMNS = ("prompt_groups", "fully_masked_groups", "fully_masked_group_fraction")
 INT_COLUMNS = (
@@ -81,6 +103,9 @@ INT_COLUMNS = (
     "masked_sequences",
     "prompt_groups",
     "fully_masked_groups",
+    "masked_corrective",
+    "masked_divergent",
+    "masked_neutral",
 )
 
 COLUMNS = (
@@ -101,6 +126,7 @@ COLUMNS = (
     "fully_masked_group_fraction",
     "masked_mass",
     "masked_mass_fraction",
+    *COST_COLUMNS,
     "is_masked_mean",
     "weight_mean",
     "weight_max",
@@ -156,10 +182,32 @@ def _job_columns(tally, ji: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         )
     cols["masked_mass"] = np.zeros((G, K)) if weight else masked_mass
     cols["masked_mass_total"] = np.broadcast_to(mass_tot[:, None], (G, K))
+    _cost_columns(cols, bins, hit, k_idx, G, K)
     if weight:
         wm, wx, we = _weight_stats(bins, job, inv)
         cols["weight_mean"], cols["weight_max"], cols["weight_ess"] = wm, wx, we
     return cols, gi
+
+
+def _cost_columns(cols: dict, bins: JobBins, hit: np.ndarray, k_idx, G: int, K: int) -> None:
+    """What a mask costs, (G, K) each, into `cols` (the module docstring): from the bins'
+    direction and entropy sums (bins.py), over the `hit` tokens (masked or truncated)."""
+    if bins.corr is not None and bins.div is not None and bins.amass is not None:
+        corr = suffix(bins.corr)[:, k_idx]
+        div = suffix(bins.div)[:, k_idx]
+        cols["masked_corrective"] = corr
+        cols["masked_divergent"] = div
+        cols["masked_neutral"] = hit - corr - div
+        cols["masked_corrective_fraction"] = _frac(corr, corr + div)
+        cols["masked_adv_mass"] = suffix(bins.amass)[:, k_idx]
+        tot = np.broadcast_to(bins.amass.sum(axis=1)[:, None], (G, K))
+        cols["masked_adv_mass_fraction"] = _frac(cols["masked_adv_mass"], tot)
+    if bins.ent is not None and bins.ent_n is not None:
+        en = bins.ent_n.sum(axis=1)[:, None]
+        cols["entropy_mean"] = np.broadcast_to(_frac(bins.ent.sum(axis=1)[:, None], en), (G, K))
+        cols["masked_entropy_mean"] = _frac(
+            suffix(bins.ent)[:, k_idx], suffix(bins.ent_n)[:, k_idx]
+        )
 
 
 def _prompt_group_bins(tally, seq_bin, width: int, G: int) -> np.ndarray | None:
@@ -250,6 +298,11 @@ def _job_data(tally, job: Job, cols: dict, gi: np.ndarray) -> dict[str, object]:
             data[k] = np.full(n_rows, np.nan)
     data["masked_mass"] = flat["masked_mass"].astype(float)
     data["masked_mass_fraction"] = _frac(flat["masked_mass"], flat["masked_mass_total"])
+    for k in COST_COLUMNS:
+        if k in flat:
+            data[k] = flat[k].astype(np.int64 if k in INT_COLUMNS else float)
+        else:
+            data[k] = np.full(n_rows, np.nan)
     data["is_masked_mean"] = (
         flat["is_masked_mean"].astype(float)
         if "is_masked_mean" in flat
@@ -258,7 +311,9 @@ def _job_data(tally, job: Job, cols: dict, gi: np.ndarray) -> dict[str, object]:
     for k in ("weight_mean", "weight_max", "weight_ess"):
         data[k] = flat[k].astype(float) if k in flat else np.full(n_rows, np.nan)
     if tally.by in TOKEN_GROUPS:  # a sequence spans groups: undefined per group
-        undefined = SEQUENCE_COLUMNS + (COUNT_COLUMNS if rule.level == "sequence" else ())
+        undefined = SEQUENCE_COLUMNS + (
+            COUNT_COLUMNS + COST_COLUMNS if rule.level == "sequence" else ()
+        )
         for k in undefined:
             data[k] = np.full(n_rows, np.nan)
     data["level"] = [rule.level] * n_rows

@@ -46,6 +46,10 @@ from .bins import Grow
 # (a sequence rule's masked mass), from the float64 batch.
 MASS = SeqStat("mass", "sum", "abs_dp", doc="sum of |dp|")
 SUMS: tuple[SeqStat, ...] = (*SEQ_STATS, MASS)
+# What a mask costs, per sequence (a sequence rule's masked tokens' classes, |A| and
+# entropy: bins.direction_class): corrective and divergent tokens, |A| sum, finite-entropy
+# sum and count; kept only where the log has the column and a sequence job reads them.
+COST_SUMS = ("cost_corr", "cost_div", "cost_amass", "cost_ent", "cost_ent_n")
 # Codes of a sequence, its first token's: its --by group and its prompt group (-1: none yet).
 CODES = ("group", "pgroup")
 
@@ -57,6 +61,8 @@ class Sequences:
         self.keys: dict = {}  # (step, sample_id) -> global sequence id
         self.sums: dict[str, Grow] = {s.name: Grow(s.fill) for s in SUMS}
         self.sums |= {name: Grow(-1.0) for name in CODES}
+        self.sums |= {name: Grow(0.0) for name in COST_SUMS}
+        self.cost_kept = {"dir": False, "ent": False}  # which COST_SUMS were ever added
         self.pgroup_keys: dict = {}  # (step, group_id) -> prompt group code
         self._runs: tuple[np.ndarray, np.ndarray] | None = None  # the last batch's runs
         self._scratch: dict[str, np.ndarray] = {}
@@ -248,6 +254,26 @@ class Sequences:
         parts["group"] = first
         self.merge(parts, uniq)
 
+    def add_cost(self, uniq: np.ndarray, local: np.ndarray, dirn, absadv, ent) -> None:
+        """A batch's per-sequence partials of what a mask costs: each token's direction
+        class and |A| (bins.direction_class; None without an advantage) and entropy (None
+        without; non-finite ones left out)."""
+        from .bins import CORRECTIVE, DIVERGENT
+
+        m = uniq.shape[0]
+        parts = {}
+        if dirn is not None:
+            self.cost_kept["dir"] = True
+            parts["cost_corr"] = np.bincount(local, weights=dirn == CORRECTIVE, minlength=m)
+            parts["cost_div"] = np.bincount(local, weights=dirn == DIVERGENT, minlength=m)
+            parts["cost_amass"] = np.bincount(local, weights=absadv, minlength=m)
+        if ent is not None:
+            self.cost_kept["ent"] = True
+            ok = np.isfinite(ent)
+            parts["cost_ent"] = np.bincount(local, weights=np.where(ok, ent, 0.0), minlength=m)
+            parts["cost_ent_n"] = np.bincount(local, weights=ok, minlength=m)
+        self.merge(parts, uniq)
+
     def merge(self, parts: dict[str, np.ndarray], uniq: np.ndarray) -> None:
         """Combine a batch's per-sequence partials (indexed like uniq; any subset of SUMS
         and CODES) into the totals."""
@@ -276,6 +302,8 @@ class Sequences:
             smap[i] = gid
         n = len(self.keys)
         k = len(other.keys)
+        for key, kept in other.cost_kept.items():
+            self.cost_kept[key] = self.cost_kept[key] or kept
         for name, grow in other.sums.items():
             grow.ensure(k)  # a sum its batches never reached holds its fill up to k
             acc, src = self.sums[name], grow.a[:k].copy()
@@ -333,7 +361,11 @@ def _ro(a: np.ndarray) -> np.ndarray:
     return a
 
 
-_HOW = {s.name: s.combine for s in SUMS} | dict.fromkeys(CODES, "first")
+_HOW = (
+    {s.name: s.combine for s in SUMS}
+    | dict.fromkeys(CODES, "first")
+    | dict.fromkeys(COST_SUMS, "sum")
+)
 
 
 def _combine(how: str, cur: np.ndarray, part: np.ndarray) -> np.ndarray:

@@ -39,7 +39,7 @@ def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]
         cols.add("sample_id")
     if "entropy" in available:
         cols.add("entropy")
-    if "advantage" in available and any("advantage" in j.rule.needs for j in jobs):
+    if "advantage" in available:  # every rule's row says what its mask costs (readout)
         cols.add("advantage")
     if "group_id" in available and "sample_id" in available:
         cols.add("group_id")  # prompt groups: fully masked groups per rule (readout.py)

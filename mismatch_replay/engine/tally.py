@@ -70,6 +70,7 @@ from .bins import (
     Grow,
     JobBins,
     accumulate,
+    direction_class,
     length_bucket,
     new_bins,
     poisson_weights,
@@ -191,6 +192,7 @@ class Tally(Leading, Presentable):
         self._scratch: dict[str, np.ndarray] = {}
         self._prompt_cache: tuple[int, tuple | None] | None = None
         self._external = False  # set_bins: the bins were counted elsewhere
+        self._cost_cols: tuple[bool, bool] | None = None  # (advantage, entropy) in the log
         self._init_leading()  # one read's Tallies: lead.py
         self.version = 0  # bumped by every change (m2po's bins and the layout cache on it)
         # m2po ranks one l^2 per token: in float32 when a float32 m2po job runs (then every
@@ -357,14 +359,34 @@ class Tally(Leading, Presentable):
             self._fused_off = _numpy_backend_reason()
         if self._fused_off is not None:
             return None
+        has_adv, has_ent = self._cost_cols if self._cost_cols is not None else (self.has_adv, False)
         try:
-            program = fast.Program(self.jobs)
+            program = fast.Program(self.jobs, direction=has_adv, entropy=has_ent)
         except fast.TooManyCoordinates as exc:  # rare: the simple path, same counts
             self.notes.append(f"fast path off ({exc}); the numpy path runs every rule")
             self._fused_off = str(exc)
             return None
         self._fused = fast.Fused(program, seqfrac=self.inv_n is not None)
         return self._fused
+
+    def _cost_notes(self) -> None:
+        """Say why the columns of what a mask costs are null (readout.COST_COLUMNS)."""
+        has_adv, has_ent = self._cost_cols
+        if not has_adv:
+            self.notes.append(
+                "masked_corrective, masked_divergent, masked_neutral, "
+                "masked_corrective_fraction, masked_adv_mass and masked_adv_mass_fraction "
+                "are null: the log has no advantage column (map one with --map "
+                "advantage=COLUMN)"
+            )
+        if not has_ent:
+            self.notes.append(
+                "entropy_mean and masked_entropy_mean are null: the log has no entropy column"
+            )
+        if any(j.rule.level == "step" for j in self.jobs) and (has_adv or has_ent):
+            self.notes.append(
+                "m2po's rows leave what a mask costs null (its steps keep no per-token classes)"
+            )
 
     def paths(self) -> list[dict]:
         """Each job's path, in job order: {"rule": spec, "param": the swept parameter (None
@@ -385,6 +407,20 @@ class Tally(Leading, Presentable):
         lp = df["trainer_logprob"].to_numpy()
         lq = df["inference_logprob"].to_numpy()
         adv = df["advantage"].to_numpy() if "advantage" in df.columns else None
+        if self._cost_cols is None:  # the fused program keeps what a mask costs: decided
+            self._cost_cols = (adv is not None, "entropy" in df.columns)  # on the 1st batch
+            self._cost_notes()
+            f = self._fused
+            if (
+                f is not None
+                and not f.dirty
+                and f.p.n
+                and (f.p.direction, f.p.entropy) != (self._cost_cols)
+            ):  # built before any batch (paths()): again, knowing, on as many threads
+                self._fused, self._paths = None, None
+                again = self._fused_state()
+                if again is not None:
+                    again.t = f.t
         if self.shape is not None and df.height:
             self._reshape(self.shape(sample_of(TokenBatch(lp, lq, adv))))
         has_m2po = bool(self.m2po_part.jobs)
@@ -404,11 +440,14 @@ class Tally(Leading, Presentable):
         G = len(self.groups)
         ent = df["entropy"].to_numpy() if "entropy" in df.columns else None
         self.version += 1
+        cost = _Cost(lp, lq, adv, ent)  # what a mask costs: computed where first read
+        if seq is not None and self._seq_cost and (adv is not None or ent is not None):
+            self.sequences.add_cost(seq[1][0], seq[1][1], cost.dirn, cost.absadv, ent)
         if fused is None:
             if self.tail is not None:  # nothing kept: its consumers make a pass instead
                 self.tail.refuse(f"the simple path ({self._fused_off})")
                 self.tail.add(_NONE, _NONE, df, lp, lq, adv, None)
-            self._add_batch_numpy(df, TokenBatch(lp, lq, adv), g, G, ent, seq)
+            self._add_batch_numpy(df, TokenBatch(lp, lq, adv), g, G, ent, seq, cost)
             return
         inv_tok = self.inv_n[seq[0]] if self.inv_n is not None else None
         tail_cut = None
@@ -482,7 +521,7 @@ class Tally(Leading, Presentable):
             slot = fused.p.slot[ji]
             if slot < 0:  # a rule the program does not compile: the simple path
                 tb = tb if tb is not None else TokenBatch(lp, lq, adv)
-                self._add_job_numpy(ji, job, tb, g, G, seq, None)
+                self._add_job_numpy(ji, job, tb, g, G, seq, None, cost.all())
             elif seq is not None:
                 uniq = seq[1][0]
                 acc = self.seq_max.setdefault(ji, Grow(-1.0))
@@ -491,8 +530,9 @@ class Tally(Leading, Presentable):
         for c, idx in out.flagged:  # tokens inside a coordinate's window: the simple path
             sub = TokenBatch(lp[idx], lq[idx], adv[idx] if adv is not None else None)
             sseq = None if seq is None else (seq[0][idx], (seq[1][0], seq[1][1][idx]))
+            sub_cost = cost.take(idx)
             for ji in fused.p.coord_jobs[c]:
-                self._add_job_numpy(ji, self.jobs[ji], sub, g[idx], G, sseq, None)
+                self._add_job_numpy(ji, self.jobs[ji], sub, g[idx], G, sseq, None, sub_cost)
         if self.robust:
             tb = tb if tb is not None else TokenBatch(lp, lq, adv)
             add_robust(self, df, tb, g, G)
@@ -511,7 +551,7 @@ class Tally(Leading, Presentable):
             got["seq"] = seq[1][0][cols["seq"]]
         self.tail.add(idx, bits, df, lp, lq, adv, seq[0] if seq is not None else None, got)
 
-    def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq) -> None:
+    def _add_batch_numpy(self, df, tb: TokenBatch, g, G: int, ent, seq, cost=None) -> None:
         """The simple path: numpy, rule by rule (the reference for the fused path)."""
         self.metrics.add(tb, g, G, ent)
         if self.scatter:
@@ -532,11 +572,16 @@ class Tally(Leading, Presentable):
                 g if self.by is not None else None,
                 seq[0] if seq is not None else None,
             )
+        kept = cost.all() if cost is not None else None
         for ji, job in enumerate(self.jobs):
             if job.rule.level == "token":
-                self._add_job_numpy(ji, job, tb, g, G, seq, boot)
+                self._add_job_numpy(ji, job, tb, g, G, seq, boot, kept)
 
-    def _add_job_numpy(self, ji: int, job: Job, tb: TokenBatch, g, G: int, seq, boot) -> None:
+    def _add_job_numpy(
+        self, ji: int, job: Job, tb: TokenBatch, g, G: int, seq, boot, cost=None
+    ) -> None:
+        """One token job on the simple path; `cost` = (direction classes, |A|, entropy) of
+        the tokens (each None where the log lacks the column: _Cost.all)."""
         rule = job.rule
         bins = self.bins[ji]
         bins.grow(G)
@@ -548,7 +593,8 @@ class Tally(Leading, Presentable):
         b[score == math.inf] = thr.shape[0] + 1
         w = rule.weight(tb, job.param) if rule.kind == "weight" else None
         inv_n = self.inv_n[seq[0]] if self.inv_n is not None else None
-        accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n)
+        dirn, absadv, ent = cost if cost is not None else (None, None, None)
+        accumulate(bins, b, g, G, tb.abs_dp, w, inv_n=inv_n, dirn=dirn, absadv=absadv, ent=ent)
         if boot is not None:
             uniq, local, wts = boot
             width = len(job.values) + 2
@@ -580,6 +626,10 @@ class Tally(Leading, Presentable):
             bins.mass += v["mass"]
             if bins.seqfrac is not None and "seqfrac" in v:
                 bins.seqfrac += v["seqfrac"]
+            for name in ("corr", "div", "amass", "ent", "ent_n"):  # what a mask costs
+                if name in v:
+                    a = bins._cost(name)
+                    a += v[name] if a.dtype == v[name].dtype else np.rint(v[name]).astype(a.dtype)
             if bins.wsum is not None and "wsum" in v:
                 bins.wsum += v["wsum"]
                 bins.wsq += v["wsq"]
@@ -780,8 +830,30 @@ class Tally(Leading, Presentable):
 
     def _sequence_job_bins(self, job: Job, G: int) -> JobBins:
         return sequence_bins(
-            job, self.seq_stats(), self.sequences.group(), G, self.sequences.column("mass")
+            job,
+            self.seq_stats(),
+            self.sequences.group(),
+            G,
+            self.sequences.column("mass"),
+            self.seq_cost(),
         )
+
+    @property
+    def _seq_cost(self) -> bool:
+        """Whether sequence jobs read the per-sequence sums of what a mask costs."""
+        return any(j.rule.level == "sequence" for j in self.jobs)
+
+    def seq_cost(self) -> tuple | None:
+        """Per sequence, what a mask costs: ((corrective, divergent) tokens or None, |A|
+        sum or None, (entropy sum, finite count) or None), or None where neither was
+        added (sequence_bins' `cost`)."""
+        sq, kept = self.sequences, self.sequences.cost_kept
+        if not (kept["dir"] or kept["ent"]):
+            return None
+        col = sq.column
+        dirn = (col("cost_corr"), col("cost_div")) if kept["dir"] else None
+        ent = (col("cost_ent"), col("cost_ent_n")) if kept["ent"] else None
+        return dirn, col("cost_amass") if kept["dir"] else None, ent
 
     def prompt_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(sequence order by prompt group, each group's first position in it, each group's
@@ -833,17 +905,55 @@ class Tally(Leading, Presentable):
         )
 
 
-def sequence_bins(job: Job, st: SeqStats, g: np.ndarray, G: int, mass: np.ndarray) -> JobBins:
+def sequence_bins(
+    job: Job, st: SeqStats, g: np.ndarray, G: int, mass: np.ndarray, cost: tuple | None = None
+) -> JobBins:
     """A sequence job's bins from per-sequence statistics `st`, each sequence in group
-    g[i] of G, with its |dp| mass: what a Tally's readout reads (`job_bins`)."""
+    g[i] of G, with its |dp| mass and what masking it costs (`cost`: Tally.seq_cost): what a
+    Tally's readout reads (`job_bins`)."""
     rule = job.rule
     b = fast.bin_scores(rule.score(st, job.param), job.sorted_thresholds, rule.inclusive)
     bins = new_bins(len(job.values), G, rule.kind == "weight")
     w = rule.weight(st, job.param) if rule.kind == "weight" else None
-    accumulate(bins, b, g, G, mass, w, count=st.n)
+    dirn, absadv, ent = cost if cost is not None else (None, None, None)
+    accumulate(bins, b, g, G, mass, w, count=st.n, dirn=dirn, absadv=absadv, ent=ent)
     bins.seq_count = seq_count(g, b, len(job.values) + 2, G)
     bins.seq_bin = b
     return bins
+
+
+class _Cost:
+    """A batch's per-token inputs of what a mask costs, computed on first use (the fused
+    path reads them only for the tokens it sends to the simple path): `dirn` the direction
+    classes (bins.direction_class) and `absadv` |A|, None without an advantage; `ent`."""
+
+    def __init__(self, lp, lq, adv, ent):
+        self.lp, self.lq, self.adv, self.ent = lp, lq, adv, ent
+        self._d = None
+
+    @property
+    def dirn(self):
+        if self.adv is None:
+            return None
+        if self._d is None:
+            self._d = direction_class(self.lp, self.lq, self.adv)
+        return self._d
+
+    @property
+    def absadv(self):
+        return None if self.adv is None else np.abs(np.asarray(self.adv, dtype=np.float64))
+
+    def all(self) -> tuple:
+        return self.dirn, self.absadv, self.ent
+
+    def take(self, idx: np.ndarray) -> tuple:
+        """all() of the tokens at idx."""
+        if self.adv is None:
+            d = a = None
+        else:
+            d = direction_class(self.lp[idx], self.lq[idx], self.adv[idx])
+            a = np.abs(np.asarray(self.adv[idx], dtype=np.float64))
+        return d, a, None if self.ent is None else self.ent[idx]
 
 
 def _path(job: Job, why: str | None) -> dict:

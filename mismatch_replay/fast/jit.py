@@ -381,6 +381,10 @@ def coord_pass(
     lin_lo, lin_w, log_lo, log_w, ln10 = consts[1], consts[2], consts[3], consts[4], consts[5]
     nbins = np.int64(consts[6])
     HW = np.uint64(cm.shape[1])
+    # cm's last axis: count, |dp| mass and, 5 wide (a log with an advantage or entropy),
+    # |A|, the finite entropies' sum and count (what a mask costs: fast/program.expand)
+    CW = np.uint64(cm.shape[2])
+    cost = cm.shape[2] > 2
     SW = np.uint64(smn.shape[1])
     cmf = _flat(cm)
     sfracf = _flat(sfrac)
@@ -650,9 +654,17 @@ def coord_pass(
                 if do_tail and tkeep[ho + cls * m1 + m]:
                     tbits[start + t] |= bit
                 h = b_gw[t] + ho + cls * m1 + m
-                h2 = h + h  # count and |dp| mass side by side: one cache line a token
+                h2 = h * CW  # count and |dp| mass side by side: one cache line a token
                 cmf[h2] += 1.0
                 cmf[h2 + _U1] += b_adp[t]
+                if cost:
+                    if has_adv:
+                        cmf[h2 + np.uint64(2)] += abs(adv[start + t])
+                    if has_ent:
+                        e = ent[start + t]
+                        if e - e == 0.0:  # finite
+                            cmf[h2 + np.uint64(3)] += e
+                            cmf[h2 + np.uint64(4)] += 1.0
                 if has_invn:
                     sfracf[h] += invn[start + t]
                 if wt:

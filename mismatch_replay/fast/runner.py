@@ -349,7 +349,9 @@ class Fused:
         # count and |dp| mass side by side (a token's two additions share a cache line);
         # counts as float64 are exact up to 2**53 tokens
         self.ordered = True  # one copy, chunks added in order (the class docstring)
-        self.cm = np.zeros((1, 0, hw, 2))
+        # cost (a log with an advantage or entropy): also |A|, entropy sum, finite count
+        self.cost = bool(program.direction or program.entropy)
+        self.cm = np.zeros((1, 0, hw, 5 if self.cost else 2))
         self.sfrac = np.zeros((1, 0, hw if seqfrac else 1))
         self.wsum = np.zeros((1, 0, ww))
         self.wsq = np.zeros_like(self.wsum)
@@ -722,7 +724,8 @@ class Fused:
 
     def _row(self) -> int:
         """Bytes of one group's bins."""
-        return 8 * (2 * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
+        cw = self.cm.shape[3]
+        return 8 * (cw * self.cm.shape[2] + self.sfrac.shape[2] + 3 * self.wsum.shape[2])
 
     def _per_thread(self) -> None:
         """From the one ordered copy to a copy per thread (copy 0 keeps the sums so far)."""
@@ -790,6 +793,11 @@ class Fused:
         }
         if self.seqfrac:
             h["seqfrac"] = self.sfrac[:, :g].sum(axis=0)
+        if self.cost:
+            if self.p.direction:
+                h["amass"] = np.ascontiguousarray(cm[..., 2])
+            h["ent"] = np.ascontiguousarray(cm[..., 3])
+            h["ent_n"] = np.ascontiguousarray(cm[..., 4])
         self.cm[:] = 0.0
         self.sfrac[:] = 0.0
         self.wsum[:] = 0.0
@@ -805,6 +813,9 @@ class Fused:
         out = {"count": taken["count"][:, a:b], "mass": taken["mass"][:, a:b]}
         if self.seqfrac and taken.get("seqfrac") is not None:
             out["seqfrac"] = taken["seqfrac"][:, a:b]
+        for k in ("corr", "div", "amass", "ent", "ent_n"):  # what a mask costs
+            if k in taken:
+                out[k] = taken[k][:, a:b]
         if p.woff[slot] >= 0:
             wa = int(p.woff[slot])
             wb = wa + int(p.k[slot]) + 2
