@@ -210,6 +210,18 @@ class SimConfig:
         linearly from the dtype's (7 / 10) to this value at the last step.
     pretrain_steps: distillation steps before RL. threads: torch CPU threads (the
         output depends on it; keep it fixed for reproducible files).
+    top_p / top_k: the sampler truncates (nucleus: the smallest set of tokens whose mass
+        reaches top_p; top-k: the k likeliest), samples from the renormalised distribution
+        and logs its log-prob, as an engine's processed log-probs are; the log gains
+        `kept_mass`, the true kept mass S per token (1 on prompt tokens), so that
+        lq + log S is the untruncated log-prob (`--map kept_mass=kept_mass`).
+    temperature: the sampler samples at this temperature and logs the tempered log-prob;
+        the trainer's stays at temperature 1 (a config mismatch diagnose detects).
+    kv_fp8_from: engine noise from this token position on, as an fp8 KV cache from there
+        gives (sglang#25790: a divergence from index 96): the sampler's logits of the tokens
+        at positions >= kv_fp8_from are rounded to E4M3's 3 mantissa bits. (Rounding this
+        small model's own keys and values to 3 bits moved the mean |l| by 3%, measured:
+        its attention is too short-range to show what a long context's does.)
     """
 
     scenario: str = "drift"
@@ -235,6 +247,10 @@ class SimConfig:
     migrate_span: tuple[float, float] = (0.25, 0.75)
     pretrain_steps: int = 100
     threads: int = 1
+    top_p: float | None = None
+    top_k: int | None = None
+    temperature: float = 1.0
+    kv_fp8_from: int | None = None
 
     def resolved(self) -> dict:
         """Scenario defaults filled in: staleness at the first/last step, the learning rate,
@@ -295,6 +311,18 @@ class SimConfig:
         a, b = self.migrate_span
         if not 0 <= a <= b <= 1:
             raise ValueError("migrate_span must be (a, b) with 0 <= a <= b <= 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError("top_k must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0")
+        if self.kv_fp8_from is not None and self.kv_fp8_from < 1:
+            raise ValueError("kv_fp8_from must be >= 1 (a token position)")
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_p is not None or self.top_k is not None
 
 
 # --------------------------------------------------------------------------- model
@@ -517,10 +545,17 @@ def _generate(params, prompts, n_new, cfg, lowp, gen, bits=None, migrated=None, 
     logits = _engine_logits(logits, bits, migrated, migrate_bits)
     prompt_lp = torch.log_softmax(logits[:, :, :-1], -1).gather(-1, prompts[..., 1:, None])[..., 0]
     last = logits[:, :, -1]
-    toks, lps = [], []
+    toks, lps, kept = [], [], []
     pos = prompts.shape[-1]
     for i in range(n_new):
+        if cfg.kv_fp8_from is not None and pos >= cfg.kv_fp8_from:  # the token at position pos
+            last = _round_bits(last, 3)
+        if cfg.temperature != 1.0:  # the sampler's temperature, in its log-probs too
+            last = last / cfg.temperature
         logp = torch.log_softmax(last, dim=-1).view(g * n, -1)
+        if cfg.truncated:
+            logp, mass = _truncate(logp, cfg.top_p, cfg.top_k)
+            kept.append(mass.view(g, n))
         nxt = torch.multinomial(logp.exp(), 1, generator=gen)
         toks.append(nxt.view(g, n))
         lps.append(logp.gather(-1, nxt).view(g, n))
@@ -529,7 +564,25 @@ def _generate(params, prompts, n_new, cfg, lowp, gen, bits=None, migrated=None, 
             last = _forward(params, step_in, cfg.n_layers, cfg.n_heads, lowp, caches, pos)
             last = _engine_logits(last[:, :, -1], bits, migrated, migrate_bits)
             pos += 1
-    return torch.stack(toks, -1), prompt_lp, torch.stack(lps, -1)
+    mass = torch.stack(kept, -1) if kept else None
+    return torch.stack(toks, -1), prompt_lp, torch.stack(lps, -1), mass
+
+
+def _truncate(logp: torch.Tensor, top_p: float | None, top_k: int | None):
+    """Top-k then top-p (nucleus: the smallest prefix of the sorted tokens whose mass
+    reaches top_p) on log-probs [N, V]: the renormalised log-probs (-inf outside) and the
+    kept mass S [N] (in float64: lq + log S recovers the untruncated log-prob)."""
+    srt, order = torch.sort(logp, dim=-1, descending=True)
+    p = srt.exp()
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if top_k is not None:
+        keep[:, top_k:] = False
+    if top_p is not None:
+        keep &= (torch.cumsum(p, -1) - p) < top_p
+    keep_v = torch.zeros_like(keep).scatter(-1, order, keep)
+    mass = torch.where(keep_v, logp.exp(), 0.0).double().sum(-1)
+    out = torch.where(keep_v, logp - mass.log().float()[:, None], float("-inf"))
+    return out, mass
 
 
 def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
@@ -593,7 +646,7 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
 
         env = torch.randint(0, len(ENVS), (n_groups,), generator=gen)
         prompts = world.sequences(env, pl, gen)[:, None, :].expand(n_groups, gs, pl)
-        resp, p_lp, r_lp = _generate(
+        resp, p_lp, r_lp, r_mass = _generate(
             _stacked(lowp_snaps, which),
             prompts,
             cfg.seq_len,
@@ -641,6 +694,10 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         cols["advantage"].append(np.repeat(adv.double().numpy(), n_pred))
         cols["loss_mask"].append(mask_np)
         cols["env"].append(np.repeat(env_names[envb.numpy()], n_pred))
+        if r_mass is not None:  # prompt tokens: prefill, never truncated
+            full = torch.ones(cfg.batch, n_pred, dtype=torch.float64)
+            full[:, pl - 1 :] = r_mass.reshape(cfg.batch, -1)
+            cols.setdefault("kept_mass", []).append(full.reshape(-1).numpy())
         lr_ = (trd - inf_lp)[loss_mask].numpy()
         per_step["k3"].append(float(np.mean(np.expm1(lr_) - lr_)))
         per_step["reward"].append(float(reward.mean()))
@@ -695,8 +752,10 @@ def _write(data: dict, path: Path, force: bool = False) -> None:
         "loss_mask": pa.bool_(),
         "env": pa.string(),
     }
-    arrays = [pa.array(data[c].tolist() if c == "env" else data[c], types[c]) for c in COLUMNS]
-    table = pa.Table.from_arrays(arrays, schema=pa.schema([(c, types[c]) for c in COLUMNS]))
+    names = [*COLUMNS, *(["kept_mass"] if "kept_mass" in data else [])]
+    types["kept_mass"] = pa.float64()
+    arrays = [pa.array(data[c].tolist() if c == "env" else data[c], types[c]) for c in names]
+    table = pa.Table.from_arrays(arrays, schema=pa.schema([(c, types[c]) for c in names]))
     from .output import atomic_write
 
     # a hidden temporary, then an exclusive publish: never over a file that appeared meanwhile

@@ -815,6 +815,21 @@ def simulate(
         int, typer.Option("--seed", metavar="N", help="Same seed, same file, bit for bit.")
     ] = 0,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    top_p: Annotated[
+        float | None,
+        typer.Option("--top-p", metavar="P", help="Sample top-p, log the renormalised log-prob."),
+    ] = None,
+    top_k: Annotated[
+        int | None,
+        typer.Option("--top-k", metavar="K", help="Sample top-k (also logs kept_mass)."),
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", metavar="T", help="The sampler's temperature.")
+    ] = 1.0,
+    kv_fp8_from: Annotated[
+        int | None,
+        typer.Option("--kv-fp8-from", metavar="P", help="Engine noise from position P on."),
+    ] = None,
 ) -> None:
     """Write a token log whose mismatch comes from real numerics (needs torch).
 
@@ -834,6 +849,8 @@ def simulate(
         if scenario not in SCENARIOS:
             raise UsageError(f"--scenario {scenario}: use one of {', '.join(SCENARIOS)}.")
         given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
+        given |= {"top_p": top_p, "top_k": top_k, "kv_fp8_from": kv_fp8_from}
+        given["temperature"] = temperature
         try:  # SimConfig checks its fields: a bad combination is a usage error, no traceback
             cfg = dataclasses.replace(
                 SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}

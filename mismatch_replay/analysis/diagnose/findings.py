@@ -125,10 +125,10 @@ def truncation(st: DiagnoseStats) -> Diagnosis:
             nums,
             table,
         )
-    ev = f"mean p/q {g(mean, 4)} (95% CI {g(lo, 4)}–{g(hi, 4)}, {st.units:,} {unit})"
+    ev = f"mean p/q {mean:.4f} (95% CI {lo:.4f}–{hi:.4f}, {st.units:,} {unit})"
     if len(rows) > 1:
         per = table["mean_ratio"]
-        ev += f"; per step {g(per.min(), 3)}–{g(per.max(), 3)}"
+        ev += f"; per step {per.min():.3f}–{per.max():.3f}"
     if hi < RATIO_FLOOR:
         nums["kept_mass"] = mean
         return Diagnosis(

@@ -30,6 +30,7 @@ SLOPE_LIMIT = 0.05  # temperature
 SENTINEL = -1e4
 LOG_HALF = math.log(0.5)
 FREQ_LIMIT = 0.01  # one exact value on more than this share of loss tokens
+NEAR_ZERO = 1e-6  # |log-prob| at most this: p = 1 to rounding, not a fill value
 FREQ_SAMPLE = 16384  # strided sample per batch for frequent-value candidates
 MAX_TRACKED = 16
 ZERO_MIN = 3  # zero-vs-low tokens that make a finding: at least 3 and 0.05% of tokens
@@ -445,7 +446,8 @@ class DiagnoseStats:
         sample = x[::stride]
         if len(tracked) < MAX_TRACKED:
             u, c = np.unique(sample, return_counts=True)
-            keep = (c >= max(2, FREQ_LIMIT / 2 * sample.size)) & (u != 0.0)
+            # 0 and values within rounding of it (p = 1 in float32) are no placeholder
+            keep = (c >= max(2, FREQ_LIMIT / 2 * sample.size)) & (np.abs(u) > NEAR_ZERO)
             for v in u[keep][np.argsort(-c[keep], kind="stable")][: MAX_TRACKED - len(tracked)]:
                 tracked.setdefault(float(v), 0)
         for v in list(tracked):
