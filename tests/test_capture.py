@@ -716,6 +716,7 @@ if sys.argv[2] == "crash":
 """
 
 
+@pytest.mark.slow  # two interpreters: ~1.5 s on two idle cores
 def test_without_close_an_uncaught_exception_drops_the_step_a_normal_exit_commits(tmp_path):
     for how in ("crash", "normal"):
         root = tmp_path / how

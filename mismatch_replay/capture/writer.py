@@ -49,7 +49,8 @@ A second live writer of the same rank in the same directory, in this process or 
 is refused at construction (CaptureError naming the directory, rank and pid: a forgotten
 `rank=`). A lock file left by a writer that did not close (killed) is taken over, with a
 note on stderr. Where flock is not supported the pid is checked instead (alive on this host:
-refused).
+refused). A lock file that cannot be created (a read-only directory) is a CaptureWarning and
+no lock (strict=True: CaptureError).
 
 **A crash does not publish the step in flight.** An exception out of `with TokenWriter(...)`,
 `close()` while an exception is propagating (`finally:`), and an exit on an uncaught
