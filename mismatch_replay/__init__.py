@@ -6,6 +6,7 @@ mismatch_replay` (and `mismatch-replay --help`) stays fast:
 
     sweep, replay      every rule x threshold in one streaming pass -> SweepResult / Tally
     choose, compare, drift, check      questions over one replay, dataclass results
+    diagnose           why the run is mismatched: seven findings from one read
     inspect, convert   what a log holds; any supported log to the canonical Parquet
     figure_data        what the figures of `mismatch_replay.viz` draw
     TokenWriter        capture: what a training loop calls to write the canonical table
@@ -34,6 +35,7 @@ _API = {
     "choose": ("api", "choose"),
     "compare": ("api", "compare"),
     "drift": ("api", "drift"),
+    "diagnose": ("api", "diagnose"),
     "check": ("api", "check"),
     "inspect": ("api", "inspect"),
     "convert": ("api", "convert"),

@@ -32,6 +32,8 @@ from .analysis.check import CheckResult, masked_limit, metric_limit
 from .analysis.check import check as _check
 from .analysis.choose import ChooseResult
 from .analysis.compare import CompareResult
+from .analysis.diagnose import DiagnoseResult
+from .analysis.diagnose import diagnose as _diagnose
 from .analysis.drift import MIN_RISE, DriftResult
 from .analysis.figure_data import FigureData
 from .analysis.inspect import Summary, inspect_log
@@ -338,6 +340,38 @@ def drift(
     )
 
 
+def diagnose(
+    sources: str | Path | Sequence[str | Path],
+    *,
+    settings: Sequence[str | Rule] = (),
+    options: ReadOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> DiagnoseResult:
+    """Why is this run mismatched? Seven findings from one streamed read of the log:
+    truncated sampling, temperature, staleness against the engine, position effects,
+    placeholder log-probs, the noise floor and alignment (docs/commands/diagnose.md gives
+    each signature). Invalid rows are counted, not refused.
+
+    Parameters
+    ----------
+    sources: a log file, directory, glob or URI, or a list of them.
+    settings: rule settings (SPECs or `Rule`s) the noise-floor finding judges: one whose
+        per-token threshold lies below the floor's 90th percentile masks rounding noise.
+    options: how to read the sources (`mismatch_replay.ingest.ReadOptions`; a
+        `mapping={"kept_mass": COLUMN}` replays lq + log(kept_mass)).
+    progress: called as `progress(rows_read, rows_total)` after each batch.
+
+    Returns
+    -------
+    DiagnoseResult:
+        files: the files read.
+        tokens: the loss tokens diagnosed.
+        findings: a `Diagnosis` per finding (key, verdict "found" / "clear" / "can't
+            tell", evidence, action, numbers, rows); `.get(key)`, `.found`, `.table`.
+    """
+    return _diagnose(_paths(sources), settings=settings, options=options, progress=progress)
+
+
 def check(
     sources: str | Path | Sequence[str | Path],
     *,
@@ -570,6 +604,7 @@ __all__ = [
     "choose",
     "compare",
     "convert",
+    "diagnose",
     "drift",
     "figure_data",
     "inspect",
