@@ -185,6 +185,7 @@ def test_two_trainer_side_candidates_are_refused(tmp_path):
     assert res.exit_code == 1 and "trainer_logprob" in res.output
 
 
+@pytest.mark.slow
 def test_report_data_from_verl_config_follows_its_rules(verl_log):
     cfg = config_in.read_config(CONFIGS / "verl.yaml")
     data, dec = analysis.report_data([verl_log], cfg.specs(), 0.005, bootstrap=0)
@@ -365,6 +366,7 @@ def test_masked_fraction_draws_only_the_rules_given(golden_sweep):
     assert note and all(len(line) <= width for line in note.splitlines())  # not cut
 
 
+@pytest.mark.slow
 def test_preset_labels_are_whole(golden_sweep):
     from mismatch_replay.viz.curves import masked_fraction
 
