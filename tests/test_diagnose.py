@@ -496,3 +496,23 @@ def test_simulated_scenarios_no_false_alarm(tmp_path, scenario):
     path = _simulate(tmp_path, scenario, scenario=scenario, steps=6, batch=48)
     res = D.diagnose(path, settings=["ipo:eps=0.3", "icepop@prime-rl"])
     assert res.found == [], [(d.key, d.evidence) for d in res.found]
+
+
+def test_findings_sentence_from_diagnosis(tmp_path):
+    """The report's and demo's "What this log says" quotes diagnose's causes with their
+    numbers (analysis.findings.diagnosed)."""
+    from mismatch_replay.analysis.findings import Context, diagnosed
+
+    rng = np.random.default_rng(13)
+    df, _ = _top_p_log(rng, 0.8, seqs=200)
+    res = D.diagnose(_write(tmp_path, df), settings=["ipo:eps=0.00001"])
+    assert {d.key for d in res.found} >= {"truncation", "noise_floor"}
+    f = diagnosed(Context(None, None, diagnosis=res))
+    t = res.get("truncation").numbers["mean_ratio"]
+    assert f.value("truncation.mean_ratio") == t
+    assert f"mean p/q {t:.4g}" in f.sentence
+    assert f.value("diagnose.found") == len(res.found)
+    assert f.sentence.startswith(f"Diagnose found {len(res.found)} of 7 causes")
+    clear = diagnosed(Context(None, None, diagnosis=D.diagnose(GOLDEN)))
+    want = "Diagnose found none of its 7 causes (staleness vs engine: can't tell)."
+    assert clear.sentence == want

@@ -43,6 +43,7 @@ import polars as pl
 from ..rules import REGISTRY, Rule, parse_rule
 from .choose import Choice
 from .decisions import Decisions
+from .diagnose import DiagnoseResult
 from .drift import DriftResult, RuleVerdict
 from .figure_data import FigureData
 
@@ -178,7 +179,8 @@ class Context:
     framework: str | None = None
     framework_from: str | None = None
     own_specs: tuple[str, ...] = ()
-    # later: diagnose: DiagnoseResult | None = None; mask_cost: ... | None = None
+    diagnosis: DiagnoseResult | None = None  # analysis.diagnose's findings, where computed
+    # later: mask_cost: ... | None = None
 
 
 @dataclass(frozen=True)
@@ -501,8 +503,57 @@ def drift_verdict(ctx: Context) -> Finding | None:
     return s.done("drift", text + ".")
 
 
+def _cause(s: _Sentence, d) -> str:
+    """A found diagnosis in a few words with its headline number."""
+    n = d.numbers
+    k = d.key
+    if k == "truncation":
+        return f"truncated sampling (mean p/q {s.g('truncation.mean_ratio', n['mean_ratio'], 4)})"
+    if k == "temperature":
+        return (
+            f"a temperature mismatch (T ratio {s.g('temperature.ratio', n['temperature_ratio'])})"
+        )
+    if k == "position" and n.get("changepoint_ratio", 0) >= 3:
+        at = s.num("position.at", n["changepoint_position"], str(n["changepoint_position"]))
+        return f"a jump at position {at} ({s.g('position.ratio', n['changepoint_ratio'])}×)"
+    if k == "position":
+        return f"an off first token ({s.g('position.first', n['first_token_ratio'])}×)"
+    if k == "placeholders":
+        tot = sum(v for key, v in n.items() if key.startswith(("zero_", "sentinel_", "invalid_"))
+                  and key.count("_") == 1)  # fmt: skip
+        tot += sum(
+            v for key, v in n.items() if key.startswith("value_") and key.endswith("_tokens")
+        )
+        return f"placeholder log-probs ({s.count('placeholders.tokens', tot)} tokens)"
+    if k == "noise_floor":
+        b = s.count("noise_floor.settings", n["below_floor"])
+        return f"{b} setting(s) below the noise floor's p90 {s.g('noise_floor.p90', n['p90'])}"
+    if k == "alignment":
+        shift = n["shift"]
+        return f"a shifted column ({s.num('alignment.shift', shift, f'{shift:+d}')})"
+    return d.title.lower()
+
+
+def diagnosed(ctx: Context) -> Finding | None:
+    """diagnose's verdicts: the causes found, with their numbers, or that none was."""
+    d = ctx.diagnosis
+    if d is None:
+        return None
+    s = _Sentence()
+    total = s.count("diagnose.findings", len(d.findings))
+    found = d.found
+    if not found:
+        unsure = [x.title.lower() for x in d.findings if x.verdict == "can't tell"]
+        tail = f" ({', '.join(unsure)}: can't tell)" if unsure else ""
+        return s.done("diagnose", f"Diagnose found none of its {total} causes{tail}.")
+    causes = [_cause(s, x) for x in found]
+    n = s.count("diagnose.found", len(found))
+    return s.done("diagnose", f"Diagnose found {n} of {total} causes: {'; '.join(causes)}.")
+
+
 FINDERS: tuple[Callable[[Context], Finding | None], ...] = (
     mismatch_level,
+    diagnosed,
     headline_masks,
     framework_settings,
     chosen_threshold,
@@ -527,12 +578,13 @@ def findings(
     log_format: str | None = None,
     config_framework: str | None = None,
     own_specs: Sequence[str] = (),
+    diagnosis: DiagnoseResult | None = None,
 ) -> Findings:
     """The sentences of "What this log says", from the report's results (`report_data`):
     `log_format` (`Summary.format`) and `config_framework` / `own_specs` (--from-config)
-    tell the log's framework."""
+    tell the log's framework; `diagnosis` (analysis.diagnose) adds its verdicts."""
     fw, where = framework_of(log_format, config_framework)
-    ctx = Context(data, decisions, fw, where, tuple(own_specs))
+    ctx = Context(data, decisions, fw, where, tuple(own_specs), diagnosis)
     out = [f for f in (finder(ctx) for finder in FINDERS) if f is not None]
     return Findings(out)
 

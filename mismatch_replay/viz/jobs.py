@@ -129,7 +129,7 @@ def report(
     check_precision = precision == "float32" or (
         precision is None and analysis.has_float32_preset(settings)
     )
-    passes = 2 + (1 if check_precision else 0)
+    passes = 3 + (1 if check_precision else 0)  # + diagnose's read
     bar = Stages(progress, passes)
     with _pool(figure_process) as helper:  # starts now: its imports overlap the read
         got: dict = {}
@@ -147,12 +147,16 @@ def report(
             else lambda t: _early(helper, t, target_fraction, settings),
         )
         summary = got["summary"]
+        from ..analysis.diagnose import diagnose as run_diagnose
+
+        diagnosis = run_diagnose(sources, settings or (), options, bar)  # one more read
         found = analysis.findings(
             data,
             dec,
             log_format=summary.format,
             config_framework=config[0] if config else None,
             own_specs=config[1] if config else (),
+            diagnosis=diagnosis,
         )
         sections = [("Decision", page.decision_html(dec))]
         if check_precision:
@@ -165,7 +169,9 @@ def report(
             )
             sections.append(page.precision_section(check))
         if keep is not None:
-            keep.update(data=data, decisions=dec, summary=summary, findings=found)
+            keep.update(
+                data=data, decisions=dec, summary=summary, findings=found, diagnosis=diagnosis
+            )
         ensure_dir(outdir)
         write_table(data.sweep, outdir / SWEEP_CSV, force=force)
         return page.write_report(
