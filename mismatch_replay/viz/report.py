@@ -755,8 +755,14 @@ def _compare(c: CompareResult, title: str) -> str:
 def _drift(d: DriftResult | None, note: str | None) -> str:
     if d is None:
         return f"<h3>Did the run drift?</h3><p>{_e(note or 'not computed')}</p>"
-    flagged = ", ".join(map(str, d.flagged_steps)) or "none"
-    spikes = ", ".join(map(str, d.spike_steps)) or "none"
+
+    def steps_text(steps) -> str:  # "step 0", "steps 3, 4", "none": never a bare "0"
+        if not steps:
+            return "none"
+        return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
+
+    flagged = steps_text(d.flagged_steps)
+    spikes = steps_text(d.spike_steps)
     rows = [
         [
             _given(v.rule),
