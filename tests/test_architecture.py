@@ -5,6 +5,7 @@ names, no module over 900 lines, and the folders the design names."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,13 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+@functools.cache
+def _tree(mod: str) -> ast.Module:
+    """A module's syntax tree, parsed once for all the checks (none of them changes it)."""
+    path = MODULES[mod]
+    return ast.parse(path.read_text(), str(path))
+
+
 def _resolve(mod: str, is_pkg: bool, level: int, name: str | None) -> str:
     base = mod.split(".")
     if not is_pkg:
@@ -47,11 +55,12 @@ def _target(name: str) -> str | None:
     return None
 
 
-def _imports(mod: str) -> list[tuple[str, str | None, int]]:
+@functools.cache
+def _imports(mod: str) -> tuple[tuple[str, str | None, int], ...]:
     """(module imported, name taken from it or None, line) for every import in `mod`."""
     path = MODULES[mod]
     is_pkg = path.name == "__init__.py"
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(mod)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -71,7 +80,7 @@ def _imports(mod: str) -> list[tuple[str, str | None, int]]:
                     t = _target(src)
                     if t:
                         out.append((t, a.name, node.lineno))
-    return out
+    return tuple(out)
 
 
 def _graph() -> dict[str, set[str]]:
@@ -139,7 +148,7 @@ def test_cycle_detector_finds_a_cycle():
 
 def _private_uses(mod: str) -> list[str]:
     path = MODULES[mod]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(mod)
     bad = []
     aliases: dict[str, str] = {}  # local name -> package module
     for t, name, line in _imports(mod):
@@ -190,7 +199,7 @@ def test_the_designs_folders_are_packages(folder):
 
 
 def test_every_module_opens_with_a_docstring():
-    missing = [m for m, p in MODULES.items() if ast.get_docstring(ast.parse(p.read_text())) is None]
+    missing = [m for m in MODULES if ast.get_docstring(_tree(m)) is None]
     assert not missing, f"modules without a docstring: {missing}"
 
 
