@@ -516,3 +516,40 @@ def test_findings_sentence_from_diagnosis(tmp_path):
     clear = diagnosed(Context(None, None, diagnosis=D.diagnose(GOLDEN)))
     want = "Diagnose found none of its 7 causes (staleness vs engine: can't tell)."
     assert clear.sentence == want
+
+
+# ----------------------------------------------------------------------------- sweep --by
+
+
+@pytest.mark.parametrize("by", ["lag", "position"])
+def test_sweep_by_lag_and_position(tmp_path, by):
+    import mismatch_replay as mr
+
+    rng = np.random.default_rng(14)
+    seqs, length = 60, 70
+    n = seqs * length
+    lq = -rng.exponential(0.5, n)
+    lp = np.minimum(lq + rng.normal(0, 0.2, n), 0)
+    df = _log(lp, lq, seqs, {"versions": np.repeat(np.arange(seqs) % 4, length)})
+    df = df.with_columns(pl.col("step") * 4)  # steps 0, 4, 8, 12: lags step - version
+    res = mr.sweep(_write(tmp_path, df), rules=["ipo:eps=0.3"], by=by)
+    t = res.table.filter(pl.col("rule") == "ipo")
+    masked = np.abs(np.exp(lp) - np.exp(lq)) > 0.3
+    if by == "lag":
+        key = df["step"].to_numpy() - df["versions"].to_numpy()
+    else:
+        pos = df["position"].to_numpy()
+        key = np.where(pos > 0, 2 ** np.floor(np.log2(np.maximum(pos, 1))).astype(int), 0)
+    want = {int(k): (int((key == k).sum()), int(masked[key == k].sum())) for k in np.unique(key)}
+    got = {r[by]: (r["tokens"], r["masked_tokens"]) for r in t.iter_rows(named=True)}
+    assert got == want
+    assert t["sequences"].null_count() == t.height  # a sequence spans groups
+
+
+def test_sweep_by_lag_needs_a_version_column(tmp_path):
+    import mismatch_replay as mr
+    from mismatch_replay.errors import DataError
+
+    df = _log(np.full(40, -0.1), np.full(40, -0.12), 4)
+    with pytest.raises(DataError, match="--by lag needs a version column"):
+        mr.sweep(_write(tmp_path, df), rules=["ipo:eps=0.3"], by="lag")

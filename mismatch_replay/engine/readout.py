@@ -68,7 +68,7 @@ from .jobs import Job
 from .m2po import seal_pool
 
 # Group keys that vary within a sequence (see the module docstring).
-TOKEN_GROUPS = ("q_bucket",)
+TOKEN_GROUPS = ("q_bucket", "lag", "position")
 SEQUENCE_COLUMNS = ("sequences", "masked_sequences", "masked_sequence_fraction", "is_masked_mean")
 COUNT_COLUMNS = (
     "tokens",
@@ -438,6 +438,8 @@ def group_label(by: str | None, v) -> str:
         return q_bucket_label(v)
     if by == "length":
         return length_label(v)
+    if by == "position":
+        return "[0, 1)" if int(v) == 0 else length_label(v)
     return str(v)
 
 

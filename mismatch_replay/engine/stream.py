@@ -48,6 +48,14 @@ def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]
             raise UsageError(f"--by {by}: group by one of {', '.join(GROUP_KEYS)}.")
         if by == "q_bucket":
             return sorted(cols)
+        if by in ("lag", "position"):  # a token's step - version, its position's bucket
+            need = "version" if by == "lag" else "position"
+            if need not in available:
+                raise DataError(
+                    f"--by {by} needs a {need} column (found: {', '.join(available)}). Map "
+                    f"one with --map {need}=COLUMN."
+                )
+            return sorted(cols | {need})
         if by == "length":
             if "sample_id" not in available:
                 raise DataError(

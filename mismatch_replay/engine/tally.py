@@ -86,9 +86,23 @@ from .robust import add_robust
 from .sequences import SUMS, Sequences, partials
 from .tail import Tail, sample_of
 
-GROUP_KEYS = ("step", "env", "q_bucket", "length")
+GROUP_KEYS = ("step", "env", "q_bucket", "length", "lag", "position")
 _NONE = np.zeros(0, dtype=np.int64)
 _Q_EDGES = np.asarray(Q_BUCKET_EDGES, dtype=np.float64)
+
+
+# --by lag: the token's policy lag, step - version; --by position: its position's bucket
+# [2^k, 2^(k+1)) by its lower edge (0 alone): both per token, so a sequence spans groups
+DERIVED_GROUPS = ("lag", "position")
+
+
+def derived_group(df: pl.DataFrame, by: str) -> pl.Series:
+    """The --by lag / --by position group of every token of a batch, as an Int64 Series."""
+    if by == "lag":
+        return (df["step"].cast(pl.Int64) - df["version"].cast(pl.Int64)).alias("lag")
+    p = df["position"].cast(pl.Int64).to_numpy()
+    low = np.where(p > 0, np.left_shift(1, np.floor(np.log2(np.maximum(p, 1))).astype(np.int64)), 0)
+    return pl.Series("position", low, dtype=pl.Int64)
 
 
 @dataclass
@@ -247,7 +261,7 @@ class Tally(Leading, Presentable):
             return z[: df.height]
         if self.by == "q_bucket":
             return self._q_bucket_codes(df["inference_logprob"].to_numpy())
-        col = df[self.by]
+        col = derived_group(df, self.by) if self.by in DERIVED_GROUPS else df[self.by]
         if col.dtype.is_integer() and col.null_count() == 0:
             got = self._run_codes(col.to_numpy())
             if got is not None:
@@ -261,7 +275,7 @@ class Tally(Leading, Presentable):
             {self.by: pl.Series(u, dtype=col.dtype), "_g": [self._gidx[v] for v in u]}
         )
         return (
-            df.select(self.by)
+            col.to_frame(self.by)
             .join(lut, on=self.by, how="left", maintain_order="left")["_g"]
             .to_numpy()
             .astype(np.int64)
@@ -865,7 +879,12 @@ class Tally(Leading, Presentable):
             return self._prompt_cache[1]
         out = None
         n = len(self.sequences)
-        if self.has_pgroup and self.has_seq and n and self.by not in ("q_bucket", "length"):
+        if (
+            self.has_pgroup
+            and self.has_seq
+            and n
+            and self.by not in ("q_bucket", "length", "lag", "position")
+        ):
             pg = self.sequences.column("pgroup").astype(np.int64)
             sg = self.sequences.group()
             order = np.argsort(pg, kind="stable")
