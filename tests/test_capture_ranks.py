@@ -127,6 +127,7 @@ def _check_lockstep(root, world, steps, fsync):
     assert not [p for p in root.rglob(".*.tmp")]  # every temporary is gone
 
 
+@pytest.mark.slow  # two rank processes
 def test_two_ranks_in_lockstep_publish_every_step(tmp_path):
     _check_lockstep(tmp_path, 2, 40, fsync=False)
 

@@ -423,6 +423,7 @@ def test_preset_labels_never_overlap(which, data, sample_data):
         assert to_rgba(t.arrow_patch.get_edgecolor()) == to_rgba(label.get_color())
 
 
+@pytest.mark.slow  # a real draw of masked_fraction at full size
 def test_preset_labels_are_not_repeated(data):
     """A band's two sides at one preset (IPO-v1 low = high = 0.2, prime-rl-legacy) get one
     label; a curve drawn as another's (token-MIS = IcePop) names only its own presets, with
@@ -457,6 +458,7 @@ def test_preset_labels_are_not_repeated(data):
 # ----------------------------------------------------------------------------- steps
 
 
+@pytest.mark.slow  # a real draw of the steps figure
 def test_steps(data):
     fig = viz.steps(data)
     top, bottom = fig.axes
@@ -584,6 +586,7 @@ def test_masked_by_length_is_drawn_from_engine_sweep_by_length(which, data, samp
         assert len(ticks) == 1 and "one bucket" in ax.get_title()
 
 
+@pytest.mark.slow  # every figure drawn and written
 def test_masked_by_length_absent_with_a_note_without_sequence_ids(tmp_path):
     from mismatch_replay.analysis.figure_data import NO_LENGTH_NOTE
 
@@ -600,6 +603,7 @@ def test_masked_by_length_absent_with_a_note_without_sequence_ids(tmp_path):
 # ----------------------------------------------------------------------------- files
 
 
+@pytest.mark.slow  # every figure drawn and written
 def test_render_all_writes_and_refuses_overwrite(data, tmp_path):
     out = tmp_path / "figs"
     paths = viz.render_all(data, out, dpi=40)

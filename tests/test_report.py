@@ -56,6 +56,7 @@ def stub_render(data, outdir, fmt="png", target_fraction=None, force=False, dpi=
     return paths
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_files(written):
     index, _ = written
     assert index.name == "index.html"
@@ -64,6 +65,7 @@ def test_report_files(written):
     assert not [p for p in index.parent.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_is_self_contained(written):
     index, page = written
     uris = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
@@ -76,6 +78,7 @@ def test_report_is_self_contained(written):
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_command_version_date_escaped(written):
     _, page = written
     escaped = "mismatch-replay report tests/data/golden_log.parquet -o out --rule &#x27;ipo:"
@@ -86,6 +89,7 @@ def test_report_command_version_date_escaped(written):
     assert "x&lt;y" in page  # summary values are escaped too
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_tables(written, data):
     _, page = written
     for header in (
@@ -113,6 +117,7 @@ def test_report_tables(written, data):
     assert "Target masked fraction: 1%" in page
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_extra_sections(written):
     _, page = written
     assert '<section class="extra"><h2>Decision</h2><p><b>eps = 0.3</b>' in page
@@ -134,6 +139,7 @@ def test_settings_table_is_exact(data):
         assert row["sequences"] == rows["sequences"].sum()
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_refuses_overwrite(written, data):
     index, page = written
     with pytest.raises(UsageError, match=r"index\.html.*pass --force"):
@@ -182,6 +188,7 @@ def html_escape(s: str) -> str:
     return html.escape(s, quote=True)
 
 
+@pytest.mark.slow  # the module's real report (figures drawn)
 def test_report_embeds_masked_by_length_with_its_caption(written):
     _, page = written
     part = page[page.index("<h2>Masked fraction by sequence length</h2>") :]

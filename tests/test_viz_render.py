@@ -50,6 +50,7 @@ def test_png_has_the_pixels_of_plain_savefig(name, data, tmp_path):
         assert im.format == "PNG" and im.info["Software"] == f"mismatch-replay {__version__}"
 
 
+@pytest.mark.slow  # figures drawn and saved at full size
 def test_save_gives_the_figure_back_as_it_was(data, tmp_path):
     """The layout engine and the resolution are the figure's own again after a save."""
     fig = viz.steps(data)
