@@ -36,12 +36,8 @@ from .options import (
     Reads,
     ReadsCountingInvalid,
     RuleOpt,
-    RunConfigOpt,
-    RunOpt,
-    RunRuleOpt,
     SettingOpt,
     Sources,
-    SourcesOrRuns,
 )
 
 
@@ -378,15 +374,6 @@ def choose(
         ),
     ] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Bootstrap seed.")] = 0,
-    of: Annotated[
-        str,
-        typer.Option(
-            "--of",
-            metavar="tokens|adv-mass",
-            help="What --target-fraction is a share of: the loss tokens (default), or the "
-            "advantage mass sum |A| the mask removes (masked_adv_mass_fraction).",
-        ),
-    ] = "tokens",
     from_config: FromConfigOpt = None,
     framework: FrameworkOpt = None,
     emit: Annotated[
@@ -440,7 +427,6 @@ def choose(
                 options=opts,
                 progress=cb,
                 precision=precision,
-                of=of,
             )
         notes = _precision_notes(sources, [r.spec for r in rows], opts, precision)
         text = None
@@ -517,31 +503,9 @@ def compare(
     run(body)
 
 
-def _runs(sources, run, run_config, run_rule, command: str):
-    """--run / --run-config / --run-rule checked against SOURCES: None (one log) or the
-    `analysis.runs.Run`s, with each run's config notes on stderr."""
-    if not run:
-        if run_config or run_rule:
-            flag = "--run-config" if run_config else "--run-rule"
-            raise UsageError(f"{flag} names a run's own rule; give the runs with --run too.")
-        if not sources:
-            raise UsageError(
-                f"{command} needs SOURCES, or the runs of an ablation as --run NAME=SOURCES."
-            )
-        return None
-    if sources:
-        raise UsageError(
-            f"{command}: give SOURCES or --run NAME=SOURCES, not both (with --run, SOURCES "
-            f"would be one more run: --run NAME={sources[0]})."
-        )
-    from ..analysis.runs import parse_runs
-
-    return parse_runs(run, run_config or (), run_rule or ())
-
-
 @command
 def drift(
-    sources: SourcesOrRuns = None,
+    sources: Sources,
     rule: RuleOpt = None,
     factor: Annotated[
         float,
@@ -580,50 +544,18 @@ def drift(
     ] = 5e-4,
     read: Reads = READ_DEFAULTS,
     json_: JsonOpt = False,
-    run_: RunOpt = None,
-    run_config: RunConfigOpt = None,
-    run_rule: RunRuleOpt = None,
 ) -> None:
     """Per-step mismatch and masked fractions; flags the steps where the run drifted.
 
     Per step: k1, k3, robust k3, |dp| and each rule's masked fraction. Flags sustained drift
     from an early-step baseline, reports lone heavy-tail steps as spikes (with the tokens
     that caused them), and says whether each rule's masked fraction followed the mismatch.
-
-    With --run NAME=SOURCES (repeated): the arms of an ablation side by side, each against
-    its own baseline: k3, entropy, reward and the masked fraction under the run's own rule
-    (--run-config NAME=FILE or --run-rule NAME=SPEC) and under each -r rule, and a verdict
-    a run (drift, the step it departs at, late / early k3, the collapse signature).
     """
 
     def body():
         from ..analysis import drift as run_drift
 
         opts = read.options()
-        runs = _runs(sources, run_, run_config, run_rule, "drift")
-        if runs is not None:
-            import dataclasses
-
-            from ..analysis.runs import drift_runs, runs_findings
-            from . import render_runs
-
-            runs = [dataclasses.replace(r, options=opts) for r in runs]
-            with render.progress("drift") as cb:
-                res = drift_runs(
-                    runs,
-                    rule or None,
-                    factor=factor,
-                    baseline_steps=baseline_steps,
-                    min_run=min_run,
-                    min_rise=min_rise,
-                    progress=cb,
-                )
-            found = runs_findings(res)
-            if json_:
-                render.print_json({**res.to_dict(), "findings": found.to_dict()})
-                return
-            render_runs.print_runs(res, found)
-            return
         with render.progress("drift") as cb:
             res = run_drift(
                 sources, rule or None, factor, baseline_steps, min_run, opts, cb, min_rise
@@ -899,15 +831,6 @@ def simulate(
         int | None,
         typer.Option("--kv-fp8-from", metavar="P", help="Engine noise from position P on."),
     ] = None,
-    loss: Annotated[
-        str | None,
-        typer.Option(
-            "--loss",
-            metavar="SPEC",
-            help="Train with this token rule's mask in the loss, e.g. ipo@prime-rl or "
-            "icepop@prime-rl (the tokens it masks get no gradient): one arm of an ablation.",
-        ),
-    ] = None,
 ) -> None:
     """Write a token log whose mismatch comes from real numerics (needs torch).
 
@@ -929,7 +852,6 @@ def simulate(
         given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
         given |= {"top_p": top_p, "top_k": top_k, "kv_fp8_from": kv_fp8_from}
         given["temperature"] = temperature
-        given["loss"] = loss
         try:  # SimConfig checks its fields: a bad combination is a usage error, no traceback
             cfg = dataclasses.replace(
                 SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}
