@@ -297,7 +297,8 @@ def test_masked_fraction_markers_at_presets(data):
     above = ipo.filter(pl.col("value") > 0.3)["masked_fraction"][0]
     assert above <= m03.get_ydata()[0] <= below
     # IcePop's presets lie on the line whose fixed side they share
-    assert "preset|icepop|high=5|low|0.2|prime-rl" in marks
+    # prime-rl's IcePopLoss and its legacy ratio-space test share [0.2, 5] (issue 30)
+    assert "preset|icepop|high=5|low|0.2|prime-rl, prime-rl-legacy" in marks
     assert "preset|icepop|high=5|low|0.5|verl, areal, paper" in marks
     assert "preset|icepop|low=0.5|high|5|verl, areal, paper" in marks
     assert not any(k.startswith("preset|icepop|low=0.5|high|5|prime-rl") for k in marks)
@@ -442,7 +443,7 @@ def test_preset_labels_are_not_repeated(data):
     assert len(marks) == 2  # both markers stay
     mis = {g: t for g, t in texts.items() if g.startswith("preset-label|token-mis|")}
     assert mis and all(t.startswith("token-MIS ") for t in mis.values())
-    assert "token-MIS trl" in mis.values()  # high = 2: not an IcePop preset
+    assert "token-MIS trl, slime" in mis.values()  # high = 2: not an IcePop preset
     assert not any("verl" in t for t in mis.values())  # verl's = IcePop's, labelled there
     # texts of one panel are unique per rule where the markers share their x
     for ax in fig.axes:

@@ -50,8 +50,16 @@ from .jobs import (
     with_precision,
 )
 from .m2po import M2PO_MEMORY_ENV, M2PO_MEMORY_MIB, M2PO_SPILL_PREFIX, M2POStore, reclaim_spills
-from .precision_note import PrecisionNote, precision_notes, precision_notes_for
-from .replay import ENGINES, MATCH, replay, replay_together, sweep
+from .precision_note import PrecisionNote
+from .replay import (
+    ENGINES,
+    MATCH,
+    precision_notes,
+    precision_notes_for,
+    replay,
+    replay_together,
+    sweep,
+)
 from .stream import (
     check_loss_tokens,
     clear_alignment_warnings,

@@ -9,13 +9,14 @@ more than 1% or more than 10 tokens, every command that prints the count adds on
 with both numbers and the cause, e.g. "kpop@areal masks 21,555 tokens in AReaL's float32
 arithmetic; 304 in exact arithmetic (its clamp 1 - 1e-8 is 1.0 in float32)".
 
-`precision_notes(plan, tally)` finds the float32 preset jobs of a finished Tally, replays
-their float64 twins (one more read of the log, on the fused path where their arithmetic
-allows it; nothing when no float32 preset ran) and compares the counts at each grid value:
-a swept job gets one line, at the value where the two differ most. `differs` is the
-threshold; `note_line` the sentence (viz.report and the commands print the same lines).
-`precision_notes_for(sources, settings)` does the same for single settings (what choose,
-compare and check print): both replays in one read.
+`precision_notes(plan, tally)` (engine/replay.py, beside the replays it runs) finds the
+float32 preset jobs of a finished Tally, replays their float64 twins (one more read of the
+log, on the fused path where their arithmetic allows it; nothing when no float32 preset
+ran) and compares the counts at each grid value: a swept job gets one line, at the value
+where the two differ most. `differs` is the threshold; `note_line` the sentence
+(viz.report and the commands print the same lines). `precision_notes_for(sources,
+settings)` (replay.py too) does the same for single settings (what choose, compare and
+check print): both replays in one read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..rules import FRAMEWORK_OF, fmt_value
-from . import readout
 from .jobs import Job
 
 ABS_TOKENS = 10  # a difference above this many tokens is worth a note
@@ -83,30 +83,8 @@ def noted_jobs(jobs) -> list[int]:
     ]
 
 
-def precision_notes(plan, tally, progress=None) -> list[PrecisionNote]:
-    """The notes of a finished Tally's float32 preset jobs (module docstring)."""
-    from .replay import replay
-
-    idx = noted_jobs(tally.jobs)
-    if not idx:
-        return []
-    twins = [_twin(tally.jobs[ji]) for ji in idx]
-    exact = replay(plan, jobs=twins, final=True, scatter=False, progress=progress)
-    out = []
-    for k, ji in enumerate(idx):
-        job = tally.jobs[ji]
-        values, n32, tokens = readout.job_counts(tally, ji)
-        _, n64, _ = readout.job_counts(exact, k)
-        diffs = [abs(int(a) - int(b)) for a, b in zip(n32, n64, strict=True)]
-        at = max(range(len(diffs)), key=diffs.__getitem__)
-        a, b = int(n32[at]), int(n64[at])
-        if not differs(a, b):
-            continue
-        out.append(note_for(job, float(values[at]), a, b, tokens))
-    return out
-
-
-def _twin(job: Job) -> Job:
+def twin(job: Job) -> Job:
+    """The job in exact arithmetic (float64)."""
     return replace(job, rule=job.rule.replace(precision="float64"))
 
 
@@ -132,34 +110,3 @@ def note_for(job: Job, value: float, a: int, b: int, tokens: int) -> PrecisionNo
         tokens=tokens,
         cause=cause,
     )
-
-
-def precision_notes_for(sources, settings, options=None, precision=None, progress=None):
-    """The notes of single settings (SPECs or Rules: what choose, compare and check print)
-    that are framework presets in float32 (`precision`: the command's --precision, which
-    forces theirs; "float64": no note): one read of the log replays each in float32 and in
-    exact arithmetic."""
-    from ..ingest import Plan, plan_sources
-    from ..rules import parse_rule
-    from .jobs import single_job
-    from .replay import replay_together
-
-    if precision == "float64":
-        return []
-    rules = [parse_rule(s) if isinstance(s, str) else s for s in settings]
-    if precision is not None:
-        rules = [r.replace(precision=precision) for r in rules]
-    rules = list({r: None for r in rules if r.preset in FRAMEWORK_OF and r.precision == "float32"})
-    if not rules:
-        return []
-    plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
-    jobs = [single_job(r) for r in rules]
-    parts = [{"jobs": jobs, "scatter": False}, {"jobs": [_twin(j) for j in jobs], "scatter": False}]
-    t32, t64 = replay_together(plan, parts, progress=progress, final=True)
-    out = []
-    for ji, job in enumerate(jobs):
-        _, n32, tokens = readout.job_counts(t32, ji)
-        _, n64, _ = readout.job_counts(t64, ji)
-        if differs(int(n32[0]), int(n64[0])):
-            out.append(note_for(job, float(job.values[0]), int(n32[0]), int(n64[0]), tokens))
-    return out

@@ -31,11 +31,19 @@ import polars as pl
 from ..errors import DataError, UsageError
 from ..gcpause import frozen
 from ..ingest import Plan, ReadOptions, iter_batches, plan_sources, step_bounds
-from ..rules import Rule, spec_warnings
+from ..rules import FRAMEWORK_OF, Rule, parse_rule, spec_warnings
 from . import ray as ray_engine
-from . import stream
-from .jobs import Job, check_jobs, check_precision, current_precision, plan_jobs, with_precision
-from .precision_note import noted_jobs, precision_notes
+from . import readout, stream
+from .jobs import (
+    Job,
+    check_jobs,
+    check_precision,
+    current_precision,
+    plan_jobs,
+    single_job,
+    with_precision,
+)
+from .precision_note import PrecisionNote, differs, note_for, noted_jobs, twin
 from .tail import Tail
 from .tally import SweepResult, Tally
 
@@ -355,3 +363,53 @@ def sweep(*args, **kwargs) -> SweepResult:
         plan = src if isinstance(src, Plan) else plan_sources(src, kwargs.get("options"))
         res.precision_notes = precision_notes(plan, tally)
     return res
+
+
+# ----------------------------------------------------------------------------- precision notes
+
+
+def precision_notes(plan, tally, progress=None) -> list[PrecisionNote]:
+    """The notes of a finished Tally's float32 preset jobs (module docstring)."""
+    idx = noted_jobs(tally.jobs)
+    if not idx:
+        return []
+    twins = [twin(tally.jobs[ji]) for ji in idx]
+    exact = replay(plan, jobs=twins, final=True, scatter=False, progress=progress)
+    out = []
+    for k, ji in enumerate(idx):
+        job = tally.jobs[ji]
+        values, n32, tokens = readout.job_counts(tally, ji)
+        _, n64, _ = readout.job_counts(exact, k)
+        diffs = [abs(int(a) - int(b)) for a, b in zip(n32, n64, strict=True)]
+        at = max(range(len(diffs)), key=diffs.__getitem__)
+        a, b = int(n32[at]), int(n64[at])
+        if not differs(a, b):
+            continue
+        out.append(note_for(job, float(values[at]), a, b, tokens))
+    return out
+
+
+def precision_notes_for(sources, settings, options=None, precision=None, progress=None):
+    """The notes of single settings (SPECs or Rules: what choose, compare and check print)
+    that are framework presets in float32 (`precision`: the command's --precision, which
+    forces theirs; "float64": no note): one read of the log replays each in float32 and in
+    exact arithmetic."""
+    if precision == "float64":
+        return []
+    rules = [parse_rule(s) if isinstance(s, str) else s for s in settings]
+    if precision is not None:
+        rules = [r.replace(precision=precision) for r in rules]
+    rules = list({r: None for r in rules if r.preset in FRAMEWORK_OF and r.precision == "float32"})
+    if not rules:
+        return []
+    plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
+    jobs = [single_job(r) for r in rules]
+    parts = [{"jobs": jobs, "scatter": False}, {"jobs": [twin(j) for j in jobs], "scatter": False}]
+    t32, t64 = replay_together(plan, parts, progress=progress, final=True)
+    out = []
+    for ji, job in enumerate(jobs):
+        _, n32, tokens = readout.job_counts(t32, ji)
+        _, n64, _ = readout.job_counts(t64, ji)
+        if differs(int(n32[0]), int(n64[0])):
+            out.append(note_for(job, float(job.values[0]), int(n32[0]), int(n64[0]), tokens))
+    return out
