@@ -98,6 +98,8 @@ def test_truncation_found_and_kept_mass_recovered(tmp_path):
     assert abs(t.numbers["kept_mass"] - kept.mean()) < 0.01
     assert t.numbers["ci_high"] < 0.99
     assert t.rows.height == 4  # per step
+    # the renormalisation moves the slope of l on lq too: never a temperature finding
+    assert res.get("temperature").verdict != "found"
     # with the kept mass mapped, every command replays lq + log(kept_mass): it clears
     opts = ReadOptions(mapping={"kept_mass": "kept_mass"})
     fixed = D.diagnose(_write(tmp_path, df), options=opts).get("truncation")
@@ -462,9 +464,11 @@ def test_simulated_truncation(tmp_path, how):
     # q's likeliest tokens), 0.995-0.998 at lag 4 (measured)
     path = _simulate(tmp_path, "trunc", staleness=0, **how)
     kept = pl.read_parquet(path).filter(pl.col("loss_mask"))["kept_mass"].mean()
-    t = D.diagnose(path).get("truncation")
+    res = D.diagnose(path)
+    t = res.get("truncation")
     assert t.verdict == "found"
     assert abs(t.numbers["kept_mass"] - kept) < 0.01
+    assert [d.key for d in res.found] == ["truncation"]
     fixed = D.diagnose(path, options=ReadOptions(mapping={"kept_mass": "kept_mass"}))
     f = fixed.get("truncation")
     assert f.verdict == "clear"

@@ -189,6 +189,16 @@ def temperature(st: DiagnoseStats) -> Diagnosis:
         f"slope of l on lq {g(b)} (95% CI {g(lo)}–{g(hi)}{how}): implied temperature ratio "
         f"T_engine/T_trainer {g(1 + b)}"
     )
+    if abs(b) > SLOPE_LIMIT and (lo > 0 or hi < 0) and truncation(st).verdict == "found":
+        # the renormalisation adds -log S(context) to l, and S falls with lq (flat contexts
+        # keep less): it moves the slope too (-0.056 at top_p 0.8 in the simulator)
+        return Diagnosis(
+            "temperature",
+            "can't tell",
+            ev + "; truncated sampling found: its renormalisation moves the slope too",
+            "map the kept mass (--map kept_mass=COLUMN), then judge the temperature",
+            nums,
+        )
     if abs(b) > SLOPE_LIMIT and (lo > 0 or hi < 0):
         if not ent:
             ev += " (no entropy column: contexts of different shapes pull it toward 1)"
