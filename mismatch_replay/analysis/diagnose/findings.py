@@ -345,9 +345,9 @@ def position(st: DiagnoseStats) -> Diagnosis:
     if cp is not None:
         nums.update({f"changepoint_{k}": v for k, v in cp.items()})
         text = (
-            f"largest jump at position {cp['position']}: mean |l| {g(cp['after'])} over the "
-            f"next {WINDOW} vs {g(cp['before'])} over the previous {WINDOW} "
-            f"({g(cp['ratio'])}×, 95% CI {g(cp['ci_low'])}–{g(cp['ci_high'])})"
+            f"mean |l| over the next {WINDOW} positions vs the previous {WINDOW}: at most "
+            f"{g(cp['ratio'])}× (95% CI {g(cp['ci_low'])}–{g(cp['ci_high'])}), at position "
+            f"{cp['position']} ({g(cp['after'])} vs {g(cp['before'])})"
         )
         parts.append(text)
         if cp["ratio"] >= JUMP and cp["ci_low"] > 1:
