@@ -3,7 +3,8 @@
 ``simulate(SimConfig(...), path)`` runs a small but real asynchronous RL job on the CPU
 and writes its token log as Parquet in the canonical schema (one row per token):
 ``step, sample_id, position, token_id, trainer_logprob, inference_logprob,
-old_logprob, entropy, advantage, loss_mask, env``. No mismatch is drawn from a random
+old_logprob, entropy, advantage, loss_mask, env, reward`` (the sample's reward on each of
+its tokens). No mismatch is drawn from a random
 number generator: every gap between ``trainer_logprob`` and ``inference_logprob`` comes
 from low-precision arithmetic and from weights that are some optimizer steps stale.
 
@@ -222,6 +223,10 @@ class SimConfig:
         at positions >= kv_fp8_from are rounded to E4M3's 3 mantissa bits. (Rounding this
         small model's own keys and values to 3 bits moved the mean |l| by 3%, measured:
         its attention is too short-range to show what a long context's does.)
+    loss: optional: a token masking rule SPEC (`ipo@prime-rl`, `icepop@prime-rl`) applied
+        in the policy-gradient loss, as the trainer's `[trainer.loss]` does: the tokens it
+        masks (trainer vs inference log-prob of this step) get no gradient; the loss stays
+        the mean over all loss tokens (masked ones count 0). None: no mask (every token).
     """
 
     scenario: str = "drift"
@@ -251,6 +256,7 @@ class SimConfig:
     top_k: int | None = None
     temperature: float = 1.0
     kv_fp8_from: int | None = None
+    loss: str | None = None
 
     def resolved(self) -> dict:
         """Scenario defaults filled in: staleness at the first/last step, the learning rate,
@@ -319,6 +325,8 @@ class SimConfig:
             raise ValueError("temperature must be > 0")
         if self.kv_fp8_from is not None and self.kv_fp8_from < 1:
             raise ValueError("kv_fp8_from must be >= 1 (a token position)")
+        if self.loss is not None:
+            _loss_rule(self.loss)
 
     @property
     def truncated(self) -> bool:
@@ -585,8 +593,23 @@ def _truncate(logp: torch.Tensor, top_p: float | None, top_k: int | None):
     return out, mass
 
 
+def _loss_rule(spec: str):
+    """The --loss SPEC's rule (a token masking rule at one setting), else ValueError."""
+    from .errors import UsageError
+    from .rules import parse_rule
+    from .rules.mask import token_mask
+
+    try:
+        rule = parse_rule(spec)
+        token_mask(rule, np.zeros(1), np.zeros(1), np.zeros(1))
+    except UsageError as exc:
+        raise ValueError(f"loss {spec!r}: {str(exc).rstrip('.')}") from None
+    return rule
+
+
 def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
     res = cfg.resolved()
+    loss_rule = _loss_rule(cfg.loss) if cfg.loss is not None else None
     s0, s1, lr0, lr1 = res["staleness"], res["staleness_end"], res["lr"], res["lr_end"]
     lowp = _LOWP[cfg.infer_dtype]
     rng = np.random.default_rng(cfg.seed)
@@ -612,6 +635,7 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         "staleness": [],
         "mean_lag": [],
         "migrated": [],
+        "loss_masked": [],
     }
     env_names = np.array(ENVS, dtype=object)
     positions = np.tile(np.arange(1, n_pred + 1, dtype=np.int64), cfg.batch)
@@ -672,7 +696,24 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         reward = world.reward(envb, flat[0, :, pl - 1 : -1], resp.reshape(cfg.batch, -1))
         grp = reward.view(n_groups, gs)
         adv = (grp - grp.mean(1, keepdim=True)).reshape(-1)  # Dr. GRPO: no std division
-        loss = -(adv[:, None] * tr_lp)[loss_mask].mean()
+        inf_lp = torch.cat([p_lp, r_lp], -1).reshape(cfg.batch, n_pred).double()
+        if loss_rule is None:
+            loss = -(adv[:, None] * tr_lp)[loss_mask].mean()
+        else:  # the rule's mask in the loss: masked tokens get no gradient (--loss)
+            from .rules.mask import token_mask
+
+            sel = loss_mask.numpy()
+            hit = token_mask(
+                loss_rule,
+                tr_lp.detach().double().numpy()[sel],
+                inf_lp.numpy()[sel],
+                adv.double()[:, None].expand(-1, n_pred).numpy()[sel],
+            )
+            keep = loss_mask.clone()
+            keep[loss_mask] = torch.from_numpy(~hit)
+            loss = -(adv[:, None] * tr_lp)[keep].sum() / loss_mask.sum()
+            if t >= 0:
+                per_step["loss_masked"].append(float(hit.mean()))
         for pg in opt.param_groups:
             pg["lr"] = lr * min(1.0, (t + warm + 1) / _LR_WARMUP)
         opt.zero_grad(set_to_none=True)
@@ -681,7 +722,6 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         if t < 0:
             continue
 
-        inf_lp = torch.cat([p_lp, r_lp], -1).reshape(cfg.batch, n_pred).double()
         trd = tr_lp.detach().double()
         cols["step"].append(np.full(cfg.batch * n_pred, t, dtype=np.int64))
         cols["sample_id"].append(sample_ids)
@@ -694,6 +734,7 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         cols["advantage"].append(np.repeat(adv.double().numpy(), n_pred))
         cols["loss_mask"].append(mask_np)
         cols["env"].append(np.repeat(env_names[envb.numpy()], n_pred))
+        cols.setdefault("reward", []).append(np.repeat(reward.double().numpy(), n_pred))
         if r_mass is not None:  # prompt tokens: prefill, never truncated
             full = torch.ones(cfg.batch, n_pred, dtype=torch.float64)
             full[:, pl - 1 :] = r_mass.reshape(cfg.batch, -1)
@@ -718,6 +759,7 @@ def _run(cfg: SimConfig, progress: Callable[[int, int], None] | None):
         "staleness_per_step": per_step["staleness"],
         "mean_lag_per_step": per_step["mean_lag"],
         "migrated_per_step": per_step["migrated"],
+        "loss_masked_per_step": per_step["loss_masked"],
         "pretrain_seconds": t_pre,
         "pretrain_loss": pre_loss,
         "pretrain_floor": world.entropy,
@@ -752,8 +794,8 @@ def _write(data: dict, path: Path, force: bool = False) -> None:
         "loss_mask": pa.bool_(),
         "env": pa.string(),
     }
-    names = [*COLUMNS, *(["kept_mass"] if "kept_mass" in data else [])]
-    types["kept_mass"] = pa.float64()
+    names = [*COLUMNS, *(c for c in ("kept_mass", "reward") if c in data)]
+    types["kept_mass"] = types["reward"] = pa.float64()
     arrays = [pa.array(data[c].tolist() if c == "env" else data[c], types[c]) for c in names]
     table = pa.Table.from_arrays(arrays, schema=pa.schema([(c, types[c]) for c in names]))
     from .output import atomic_write

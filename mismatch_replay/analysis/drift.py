@@ -189,6 +189,11 @@ def _trimmed_mean(counts: np.ndarray, sums: np.ndarray, trim: float) -> float:
     return float((keep * mean_in_bin).sum() / total) if total > 0 else math.nan
 
 
+def _plain(x):
+    """A numpy scalar as a Python value; a string sample id (an object array's) as it is."""
+    return x.item() if hasattr(x, "item") else x
+
+
 def drift_rules(columns: Sequence[str]) -> list[Rule]:
     """The settings drift watches by default: the report's IPO and IcePop settings."""
     return [r for r in default_settings(columns) if r.name in ("ipo", "icepop")]
@@ -288,7 +293,7 @@ def drift_from(
             gi = tally.groups.index(r.step)
             top = tally.top.get(gi, {})
             tokens = (
-                [{c: v[i].item() for c, v in top.items()} for i in range(len(top["k3"]))]
+                [{c: _plain(v[i]) for c, v in top.items()} for i in range(len(top["k3"]))]
                 if top
                 else []
             )

@@ -24,6 +24,7 @@ import typer
 from .. import __version__
 from ..errors import UsageError
 from . import render
+from . import runs as cli_runs
 from .core import command, command_line, run
 from .options import (
     READ_DEFAULTS,
@@ -36,8 +37,12 @@ from .options import (
     Reads,
     ReadsCountingInvalid,
     RuleOpt,
+    RunConfigOpt,
+    RunOpt,
+    RunRuleOpt,
     SettingOpt,
     Sources,
+    SourcesOrRuns,
 )
 
 
@@ -505,7 +510,7 @@ def compare(
 
 @command
 def drift(
-    sources: Sources,
+    sources: SourcesOrRuns = None,
     rule: RuleOpt = None,
     factor: Annotated[
         float,
@@ -544,18 +549,31 @@ def drift(
     ] = 5e-4,
     read: Reads = READ_DEFAULTS,
     json_: JsonOpt = False,
+    run_: RunOpt = None,
+    run_config: RunConfigOpt = None,
+    run_rule: RunRuleOpt = None,
 ) -> None:
     """Per-step mismatch and masked fractions; flags the steps where the run drifted.
 
     Per step: k1, k3, robust k3, |dp| and each rule's masked fraction. Flags sustained drift
     from an early-step baseline, reports lone heavy-tail steps as spikes (with the tokens
     that caused them), and says whether each rule's masked fraction followed the mismatch.
+
+    With --run NAME=SOURCES (repeated): the arms of an ablation side by side, each against
+    its own baseline: k3, entropy, reward and the masked fraction under the run's own rule
+    (--run-config NAME=FILE or --run-rule NAME=SPEC) and under each -r rule, and a verdict
+    a run (drift, the step it departs at, late / early k3, the collapse signature).
     """
 
     def body():
         from ..analysis import drift as run_drift
 
         opts = read.options()
+        runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "drift")
+        if runs is not None:
+            kw = {"factor": factor, "baseline_steps": baseline_steps, "min_run": min_run}
+            cli_runs.drift(runs, opts, rule, json_, min_rise=min_rise, **kw)
+            return
         with render.progress("drift") as cb:
             res = run_drift(
                 sources, rule or None, factor, baseline_steps, min_run, opts, cb, min_rise
@@ -831,6 +849,15 @@ def simulate(
         int | None,
         typer.Option("--kv-fp8-from", metavar="P", help="Engine noise from position P on."),
     ] = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            "--loss",
+            metavar="SPEC",
+            help="Train with this token rule's mask in the loss, e.g. ipo@prime-rl or "
+            "icepop@prime-rl (the tokens it masks get no gradient): one arm of an ablation.",
+        ),
+    ] = None,
 ) -> None:
     """Write a token log whose mismatch comes from real numerics (needs torch).
 
@@ -852,6 +879,7 @@ def simulate(
         given = {"steps": steps, "batch": batch, "seq_len": seq_len, "staleness": staleness}
         given |= {"top_p": top_p, "top_k": top_k, "kv_fp8_from": kv_fp8_from}
         given["temperature"] = temperature
+        given["loss"] = loss
         try:  # SimConfig checks its fields: a bad combination is a usage error, no traceback
             cfg = dataclasses.replace(
                 SimConfig(scenario=scenario, seed=seed), **{k: v for k, v in given.items() if v}

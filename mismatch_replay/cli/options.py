@@ -39,6 +39,44 @@ Sources = Annotated[
         ".pkl dumps; directories (searched recursively) or globs.",
     ),
 ]
+# drift / report / plot: SOURCES, or the arms of an ablation as --run NAME=SOURCES
+SourcesOrRuns = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="[SOURCES]",
+        show_default=False,
+        help="Token logs (as for every command); leave them out when --run names the runs.",
+    ),
+]
+RunOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run",
+        metavar="NAME=SOURCES",
+        help="One arm of an ablation (repeatable; the same NAME again adds sources to it), "
+        "e.g. --run ipo=logs/ipo --run icepop=logs/icepop: each run replayed alone, side by "
+        "side, with the read options above.",
+    ),
+]
+RunConfigOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run-config",
+        metavar="NAME=FILE",
+        help="The run's own trainer config (repeatable; later files win), as --from-config "
+        "reads it: its rule is that run's own (masked_own), e.g. --run-config "
+        "icepop=configs/icepop.toml.",
+    ),
+]
+RunRuleOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run-rule",
+        metavar="NAME=SPEC",
+        help="The run's own rule given as a SPEC (repeatable), e.g. --run-rule "
+        "icepop=icepop@prime-rl; -r rules apply to every run.",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]
 PrecisionOpt = Annotated[
     str | None,

@@ -229,13 +229,13 @@ def _local_tally(plan, jobs, notes, by, match, bootstrap, robust, tail, precisio
     return tally, cols, keep
 
 
-def _stream(plan, parts, progress, final: bool, observers) -> list[int]:
+def _stream(plan, parts, progress, final: bool, observers, extra=()) -> list[int]:
     """One read of the log into every (tally, columns, row filter) of `parts`: the union
     of their columns is read once, each Tally gets its own columns of each batch;
     `observers` (callables) see every batch with all the columns. Returns, per part, the
     rows its filter left out."""
     dropped = [0] * len(parts)
-    cols = sorted({c for _, cs, _ in parts for c in cs})
+    cols = sorted({c for _, cs, _ in parts for c in cs} | set(extra))
     total = sum(plan.rows)
     # m2po's steps are resolved as soon as the rows still to come cannot hold them (sorted
     # logs: one step at a time, so its store stays small); None: all at the end
@@ -297,12 +297,14 @@ def replay_together(
     progress: Callable[[int, int], None] | None = None,
     final: bool = False,
     observers: Sequence[Callable[[pl.DataFrame], None]] = (),
+    columns: Sequence[str] = (),
 ) -> list[Tally]:
     """Several local replays in ONE read of the log: each part is replay()'s keywords
     (rules / sweeps / jobs, by, robust, tail, precision; not match, bootstrap, by="length" or
     Ray, which have passes of their own), plus scatter=False for a Tally that needs no
     scatter histograms and `shape` (replay()'s), and gets the Tally replay() would give it.
-    `observers` see every batch (e.g. inspect's duplicate and alignment checks)."""
+    `observers` see every batch (e.g. inspect's duplicate and alignment checks), with the
+    log's `columns` too (those it has) beside the parts' own (drift's per-sample reward)."""
     plan = sources if isinstance(sources, Plan) else plan_sources(sources, options)
     built = []
     warned = []
@@ -329,7 +331,8 @@ def replay_together(
         tally.shape = kw.get("shape")
         built.append((tally, cols, keep))
         warned.append(spec_warnings(kw.get("rules") or []))
-    _stream(plan, built, progress, final, observers)
+    extra = [c for c in columns if c in plan.columns]
+    _stream(plan, built, progress, final, observers, extra)
     for (tally, _, _), w in zip(built, warned, strict=True):
         tally.rule_warnings = w
     return [t for t, _, _ in built]

@@ -61,6 +61,7 @@ OPTIONAL = (
     "group_id",
     "kept_mass",
     "version",
+    "reward",
 )
 CANONICAL = REQUIRED + OPTIONAL
 # read only where --map names it: the engine's kept probability mass of a truncated
@@ -93,6 +94,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "token_id": ("token_ids", "tokens"),
     # the prompt (GRPO group) a sample was drawn for: verl's non_tensor_batch['uid']
     "group_id": ("uid", "group_index", "prompt_id", "prompt_uid"),
+    # the sample's reward (one value per sequence, repeated on its tokens): NeMo-RL's
+    # `rewards`, verl's `score` (its rollout dumps, trainer.rollout_data_dir)
+    "reward": ("rewards", "score", "scores"),
 }
 
 
@@ -240,6 +244,7 @@ COLUMN_KINDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "group_id": ("an integer or a string", "integers or strings", ("integer", "string", "null")),
     "kept_mass": _FLOAT,
     "version": _INT,
+    "reward": _FLOAT,
 }
 
 
@@ -280,7 +285,16 @@ _KIND_TEXT = {
 
 # payload columns only some rules need: one of the wrong type is left out with a warning
 # (the rules that need it say so); every other column of the wrong type is an error
-_LEAVE_OUT = ("advantage", "entropy", "old_logprob", "env", "token_id", "group_id", "version")
+_LEAVE_OUT = (
+    "advantage",
+    "entropy",
+    "old_logprob",
+    "env",
+    "token_id",
+    "group_id",
+    "version",
+    "reward",
+)
 
 
 def check_types(
@@ -458,6 +472,8 @@ def canonicalise(df: pl.DataFrame, plan: Plan, file_index: int, row_offset: int)
         exprs.append(pl.col("entropy").cast(pl.Float64))
     if "kept_mass" in df.columns:
         exprs.append(pl.col("kept_mass").cast(pl.Float64))
+    if "reward" in df.columns:
+        exprs.append(pl.col("reward").cast(pl.Float64))
     if "step" not in df.columns:  # a hive directory step=N, else 0
         step = plan.file_steps[file_index] if file_index < len(plan.file_steps) else None
         exprs.append(pl.lit(step or 0, dtype=pl.Int64).alias("step"))
@@ -477,7 +493,8 @@ def canonicalise(df: pl.DataFrame, plan: Plan, file_index: int, row_offset: int)
     return df
 
 
-_TARGET = {c: pl.Float64 for c in (*LOGPROB_COLUMNS, "advantage", "entropy", "kept_mass")} | {
+_FLOATS = (*LOGPROB_COLUMNS, "advantage", "entropy", "kept_mass", "reward")
+_TARGET = {c: pl.Float64 for c in _FLOATS} | {
     "step": pl.Int64,
     "loss_mask": pl.Boolean,
 }

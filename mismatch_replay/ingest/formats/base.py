@@ -56,6 +56,7 @@ CANON_TYPES: dict[str, pl.DataType] = {
     "loss_mask": BOOL,
     "env": STR,
     "token_id": I64,
+    "reward": F64,
 }
 
 LOGGED = ("logged_is_masked", "logged_mismatch_kl")  # the run's own decisions (prime-rl)

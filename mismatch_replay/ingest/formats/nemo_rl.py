@@ -120,7 +120,7 @@ class NemoRL(RecordFormat):
 
     def _is_wrapped_type(self, key: str, t: pl.DataType) -> bool:
         """Whether a NeMo-RL key's dtype has the extra list level of the wrapped layout."""
-        if key in self.scalars:
+        if key in self.scalars or self.arrays.get(key) == "reward":  # one value a sample
             return isinstance(t, pl.List)
         return isinstance(t, pl.List) and isinstance(t.inner, pl.List)
 
@@ -200,6 +200,7 @@ NEMO = NemoRL(
         "token_loss_mask": "loss_mask",
         "advantages": "advantage",
         "token_ids": "token_id",
+        "rewards": "reward",  # one per sample (grpo.py's `rewards`), on each of its tokens
     },
     required=("prev_logprobs", "generation_logprobs"),
     scalars={"input_lengths": I64, "sample_loss_mask": F64, "idx": I64},

@@ -124,8 +124,12 @@ def probe_records(spec: RecordFormat, path: Path, drop: bool) -> Probe | None:
         v = rec[key]
         if canon == "loss_mask":
             schema[key] = pl.List(mask_dtype(v))
-        elif canon == "advantage" and isinstance(v, int | float) and not isinstance(v, bool):
-            schema[key] = CANON_TYPES[canon]  # per-sample advantage (some versions): broadcast
+        elif (
+            canon in ("advantage", "reward")
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+        ):
+            schema[key] = CANON_TYPES[canon]  # a per-sample value (reward; some advantages)
         else:
             schema[key] = pl.List(CANON_TYPES[canon])
         columns[canon] = False

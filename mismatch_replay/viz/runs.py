@@ -1,0 +1,136 @@
+"""`runs.png`: the arms of an ablation on one step axis (the seed's ablation figure).
+
+Design
+------
+One figure, panels stacked on a shared x = step, one colour a run (Okabe & Ito, in the
+order the runs were given): the mismatch KL k3 (token mean, log y) with each run's first
+drift step marked by a dotted vertical line of its colour; the masked fraction under each
+run's own rule (percent of loss tokens, linear: a rule that stays flat while its run's k3
+climbs is the collapse signature, and a flat line near zero must look flat); the trainer
+entropy's token mean; the mean reward. The entropy and reward panels are drawn only where
+some run logged them. It takes computed data only: `RunsResult.table` (one row per run and
+step, analysis/runs.py) and, optionally, each run's departure step; it never reads tokens.
+`ax=None` builds the Figure (never pyplot); otherwise the caller's Axes, one per panel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import polars as pl
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from ..gcpause import paused
+from .style import LABEL, NOTE, OKABE_ITO, SMALL, draw_line, light_log_ticks
+
+# run colours: Okabe & Ito without black and yellow (a thin yellow line vanishes on white)
+RUN_COLORS = tuple(OKABE_ITO[k] for k in ("blue", "vermillion", "bluish_green", "reddish_purple",
+                                          "orange", "sky_blue"))  # fmt: skip
+
+
+def panels_of(table: pl.DataFrame) -> list[str]:
+    """The panels this table can draw, top to bottom."""
+    out = ["k3", "masked_own"]
+    for col in ("entropy_mean", "reward_mean"):
+        if col in table.columns and table[col].drop_nulls().drop_nans().len():
+            out.append(col)
+    return out
+
+
+def run_colors(names: Sequence[str], colors: dict[str, str] | None = None) -> dict[str, str]:
+    colors = colors or {}
+    return {n: colors.get(n, RUN_COLORS[i % len(RUN_COLORS)]) for i, n in enumerate(names)}
+
+
+@paused()
+def runs_figure(
+    table: pl.DataFrame,
+    ax: Sequence[Axes] | None = None,
+    *,
+    departs: dict[str, int | None] | None = None,
+    colors: dict[str, str] | None = None,
+) -> Figure:
+    """The runs side by side (see the module docstring). `table`: `RunsResult.table`;
+    `departs`: run -> its first drift step (None: no drift); `colors`: run -> colour."""
+    names = list(dict.fromkeys(table["run"].to_list()))
+    panels = panels_of(table)
+    if ax is None:
+        fig = Figure(figsize=(8.0, 1.0 + 1.9 * len(panels)), layout="constrained")
+        axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    else:
+        axes = list(ax)
+        if len(axes) != len(panels):
+            raise ValueError(f"runs_figure draws {len(panels)} panels ({panels}); got {len(axes)}")
+        fig = axes[0].figure
+    col = run_colors(names, colors)
+    mk = "o" if table.filter(pl.col("run") == names[0]).height <= 60 else None
+    departs = departs or {}
+    for name in names:
+        t = table.filter(pl.col("run") == name).sort("step")
+        x = t["step"].to_numpy().astype(float)
+        own = t["own_rule"].drop_nulls()
+        for a, panel in zip(axes, panels, strict=True):
+            if panel == "k3":
+                y = t["kl_k3"].to_numpy().astype(float)
+                y = np.where(y > 0, y, np.nan)
+                label = name
+            elif panel == "masked_own":
+                y = 100 * t["masked_own"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+                label = f"{name}: {own[0]}" if own.len() else f"{name}: no rule of its own"
+            else:
+                y = t[panel].cast(pl.Float64).fill_null(np.nan).to_numpy()
+                label = name
+            draw_line(a, x, y, gid=f"{panel}:{name}", label=label, color=col[name], lw=1.6,
+                      marker=mk, ms=3)  # fmt: skip
+            at = departs.get(name)
+            if at is not None:
+                a.axvline(at, color=col[name], ls=":", lw=1.2, gid=f"departs:{name}")
+    titles = {
+        "k3": "mismatch KL k3 (token mean)",
+        "masked_own": "masked, own rule (% of tokens)",
+        "entropy_mean": "trainer entropy (mean)",
+        "reward_mean": "reward (mean)",
+    }
+    for a, panel in zip(axes, panels, strict=True):
+        a.set_ylabel(titles[panel], fontsize=SMALL)
+        a.tick_params(labelsize=SMALL)
+        a.grid(alpha=0.25, lw=0.6)
+        if panel == "k3":
+            a.set_yscale("log")
+            light_log_ticks(a)
+            a.legend(fontsize=SMALL, frameon=False, loc="upper left", ncols=min(len(names), 4))
+        elif panel == "masked_own":
+            a.set_ylim(bottom=0)
+            a.legend(fontsize=NOTE, frameon=False, loc="upper left")
+    axes[-1].set_xlabel("step", fontsize=LABEL)
+    marked = [f"{n} {departs[n]}" for n in names if departs.get(n) is not None]
+    if marked:
+        axes[0].set_title(
+            "dotted: the step each run first departs from its own baseline ("
+            + ", ".join(marked)
+            + ")",
+            fontsize=NOTE,
+            loc="right",
+        )
+    return fig
+
+
+def write_runs(res, outdir, image_format: str = "png", force: bool = False, dpi: int = 150):
+    """`runs.<format>` in `outdir` from a RunsResult; returns the path."""
+    from pathlib import Path
+
+    from .render import save
+
+    path = Path(outdir) / f"runs.{image_format}"
+    if path.exists() and not force:
+        from ..errors import UsageError
+
+        raise UsageError(f"{path} exists; pass --force to overwrite it.")
+    departs = {r.run.name: r.verdict.departs_at for r in res.runs}
+    fig = runs_figure(res.table, departs=departs)
+    return save(fig, path, image_format, dpi=dpi, force=force)
+
+
+__all__ = ["RUN_COLORS", "panels_of", "run_colors", "runs_figure", "write_runs"]
