@@ -18,8 +18,9 @@ Intervals are a Poisson bootstrap over sequences (steps where the log has no sam
 replicate b gives sequence g the weight w_gb ~ Poisson(1), a function of the sequence's key
 hash and b alone (splitmix64 -> uniform -> Poisson inverse CDF), so the rows of one sequence
 get the same weight in every batch they fall into and each replicate is a sum of weighted
-per-run sums: B = 200 replicates cost one [runs x B] weight matrix per batch (2k sequences x
-200 for a 1M-token batch of 512-token sequences), not a pass per replicate. A replicate of a
+per-run sums: B = 200 replicates cost [runs x B] weights per batch (2k sequences x 200 for
+a 1M-token batch of 512-token sequences), drawn inside kernel.boot_add and never held as a
+matrix, not a pass per replicate. A replicate of a
 ratio of sums (the token-mean ratio, the slope) is the ratio of its weighted sums; the 95%
 interval is its 2.5th and 97.5th percentiles.
 
@@ -30,8 +31,11 @@ The signatures (l = lp - lq, r = p/q = exp(l), lp the trainer's log-prob, lq the
    min-p) multiplies every ratio by the kept mass S, so the token-mean ratio estimates S.
    Found when its interval lies below 0.99 (the fix: `--map kept_mass=COLUMN`).
 2. temperature: one side at temperature T, the other at 1: l = (T - 1) lq + c(context), so
-   the least-squares slope of l on lq is T - 1. Found when |slope| > 0.05 and its interval
-   excludes 0. (Rounding noise e on lq alone gives -var(e)/var(lq): ~1e-3.)
+   the least-squares slope of l on lq is T - 1 within a context; c varies with the
+   context's shape and pulls the plain slope toward 0 (T 0.7 read as 0.757), so where the
+   log has the trainer's entropy it is a second regressor (0.704). Found when |slope| >
+   0.05 and its interval excludes 0; `can't tell` where truncation is found (the
+   renormalisation moves the slope too). (Rounding noise e on lq alone: -var(e)/var(lq).)
 3. staleness against engine: with old_logprob (the trainer at the rollout's weights) k1 and
    k3 of trainer vs old (the policy lag) and of old vs inference (the engine) say which
    dominates; with a `version` column the lag step - version. An attribution, not a defect:
@@ -41,15 +45,21 @@ The signatures (l = lp - lq, r = p/q = exp(l), lp the trainer's log-prob, lq the
    >= 3x the previous 64 (argmax of that ratio, its 95% interval by the delta method on the
    two window means, tokens as independent), and the first loss token against the rest.
 5. placeholders: exactly 0.0 on one side while the other is below log 0.5; sentinels <= -1e4;
-   NaN / inf rows (counted by ingest, which other commands refuse); one exact value (not 0)
-   on more than 1% of loss tokens (candidates from a strided sample of each batch, counted
-   exactly from the batch they appear in); and where they sit: first / last / inner token.
+   NaN / inf rows (counted by ingest, which other commands refuse); one exact value (not
+   within 1e-6 of 0) on more than 1% of loss tokens (candidates from a strided sample of
+   each batch, counted exactly from the batch they appear in); and where they sit: first /
+   last / inner token of their sequences.
 6. noise floor: whether each column lies on the bf16 or fp16 grid, and the 50th and 90th
    percentiles of |l| on tokens with p, q > 0.9 (a 4,000-bin log histogram, 0.8% bins); a
    setting (`-r`, `--from-config`) whose per-token threshold, at the floor tokens' median q,
    lies below the 90th percentile masks rounding noise.
 7. alignment: inspect's off-by-one check (`ingest.alignment.AlignmentCheck`) on the same
    batches.
+
+Layout: stats.py (the one read: DiagnoseStats, collect), kernel.py (the per-token pass and
+the bootstrap as numba loops; stats.py's numpy pass is their reference and the path without
+numba), findings.py (the seven functions), this module (the result, `diagnose`). Cost:
+benchmarks/diagnose_bench.py, 0.67x a default sweep on 20M tokens (docs/commands/diagnose.md).
 """
 
 from __future__ import annotations
