@@ -85,6 +85,11 @@ COMMANDS = (
 
 def rules_json() -> list[dict]:
     """The catalogue as `mismatch-replay rules --json` prints it (run in this process)."""
+    return _rules_doc()["rules"]
+
+
+def _rules_doc() -> dict:
+    """`mismatch-replay rules --json`'s whole document (the rules, the mask-cost terms)."""
     from typer.testing import CliRunner
 
     from mismatch_replay.cli import app
@@ -92,7 +97,26 @@ def rules_json() -> list[dict]:
     res = CliRunner().invoke(app, ["rules", "--json"])
     if res.exit_code != 0:
         raise RuntimeError(f"`mismatch-replay rules --json` failed ({res.exit_code}): {res.output}")
-    return json.loads(res.stdout)["rules"]
+    return json.loads(res.stdout)
+
+
+def mask_cost_section(defs: dict | None) -> list[str]:
+    """rules.md's "What a mask costs" section, from `rules --json`'s `mask_cost`."""
+    if not defs:
+        return []
+    out = [
+        "## What a mask costs",
+        "",
+        "For a loss token with advantage `A` and `Δp = p − q`, the policy-gradient step raises"
+        " `log p` when `A > 0` and lowers it when `A < 0`. Every sweep row classifies the"
+        " tokens a rule masks by the direction of the update they lose:",
+        "",
+    ]
+    out += [f"* **{k}**: `{defs[k]}`." for k in ("corrective", "divergent", "neutral")]
+    out += ["", f"{_cell(defs['sign'])}. {_cell(defs['scope'])}", ""]
+    out += ["| column | meaning |", "|---|---|"]
+    out += [f"| `{k}` | {_cell(v)} |" for k, v in defs["columns"].items()]
+    return [*out, ""]
 
 
 def _num(v) -> str:
@@ -135,6 +159,7 @@ def rules_page(records: list[dict]) -> str:
         catalogue_markdown(records),
         "<!-- catalogue:end -->",
         "",
+        *mask_cost_section(_rules_doc().get("mask_cost")),
         "## The rules",
         "",
     ]
@@ -148,6 +173,11 @@ def rules_page(records: list[dict]) -> str:
             "",
             f"Masked (or truncated) when: `{r['definition']}`.",
             "",
+            *(
+                [f"Updates its mask can remove: {_cell(r['masks_updates'])}.", ""]
+                if r.get("masks_updates")
+                else []
+            ),
             "| parameter | default | domain | default grid | swept | meaning |",
             "|---|---|---|---|---|---|",
         ]

@@ -96,7 +96,16 @@ def sweep(
     SweepResult:
         table: the long sweep table, one row per rule setting x swept value (x group):
             rule, setting, param, value, tokens, masked_tokens, masked_fraction, the
-            sequence, prompt-group and mass columns, spec.
+            sequence, prompt-group and mass columns, spec; and what the mask costs (RULES.md,
+            null where the log has no advantage / entropy column, and for m2po):
+            masked_corrective (masked tokens with A * (p - q) < 0: their update pulls p back
+            toward q), masked_divergent (A * (p - q) > 0), masked_neutral (A == 0 or p == q),
+            masked_corrective_fraction = corrective / (corrective + divergent),
+            masked_adv_mass (sum of |A| over the masked tokens) and
+            masked_adv_mass_fraction (its share of sum |A| over the loss tokens: the
+            gradient signal removed), entropy_mean (the group's loss tokens) and
+            masked_entropy_mean (the masked ones'). Weight rules: over the tokens they
+            truncate; sequence rules: over the tokens of the sequences they mask.
         metrics: the mismatch metrics (kl_k1, kl_k3, abs_dp_mean, ...), per group.
         tally: the Tally the table was read from (`replay`'s result).
         notes: what was skipped and why (a rule whose column the log lacks).
@@ -189,8 +198,10 @@ def choose(
     precision: str | None = None,
     options: ReadOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
+    of: str = "tokens",
 ) -> ChooseResult:
-    """The threshold of each rule that masks `target_fraction` of the tokens, with a 95%
+    """The threshold of each rule that masks `target_fraction` of the tokens (or, with
+    `of="adv-mass"`, removes that share of the advantage mass sum |A|), with a 95%
     bootstrap interval; without a target, the masked fraction at each given setting.
 
     Parameters
@@ -210,11 +221,14 @@ def choose(
     precision: "float32" or "float64" (None): the arithmetic of the rule decisions.
     options: how to read the sources (`mismatch_replay.ingest.ReadOptions`).
     progress: called as `progress(rows_read, rows_total)` after each batch.
+    of: "tokens" (the target is a fraction of the loss tokens) or "adv-mass" (of sum |A|
+        over them: the gradient signal the mask removes; needs an advantage column; no m2po).
 
     Returns
     -------
     ChooseResult, a sequence of `Choice` (rule, setting, param, value, masked_fraction,
-    ci_low, ci_high, status, spec, ...):
+    ci_low, ci_high, status, spec, ...; `of`, and with of="adv-mass" the
+    masked_adv_mass_fraction at the value):
         target_fraction: the target aimed at (None: fractions at the given settings).
         rows: the choices, one per rule and threshold parameter, in rule order.
     """
@@ -231,6 +245,7 @@ def choose(
         precision=precision,
         options=options,
         progress=progress,
+        of=of,
     )
 
 
@@ -556,7 +571,8 @@ def figure_data(
     progress: Callable[[int, int], None] | None = None,
 ) -> FigureData:
     """The data behind the figures (`mismatch_replay.viz`: scatter_panels, masked_fraction,
-    steps, where_masked, masked_by_length), in four replays; no raw token kept.
+    steps, where_masked, masked_by_length, masked_direction), in four replays; no raw token
+    kept.
 
     Parameters
     ----------
@@ -587,6 +603,10 @@ def figure_data(
         by_length: the sequence rules' table by sequence length (None without sample_id).
         given: whether `settings` are the ones given (else the defaults).
         presets: SPEC -> exact masked fraction at each catalogue preset (the report's).
+        mask_cost: what each setting's mask costs (the chosen settings and the presets
+            ipo@prime-rl, ipo@prime-rl-legacy, icepop@prime-rl, dppo-tv@prime-rl,
+            kpop@prime-rl: their sweep rows' masked_corrective, ..., masked_entropy_mean),
+            masked_direction.png's data; None without an advantage column.
     """
     return analysis.figure_data(
         _paths(sources),

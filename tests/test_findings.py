@@ -77,9 +77,13 @@ def test_findings_on_a_log_quote_its_results(golden):
         data, dec, log_format=summary.format, config_framework="verl", own_specs=OWN
     )
     assert 3 <= len(found) <= 6
-    assert [f.key for f in found] == ["mismatch", "headline", "framework", "choose", "drift"]
+    keys = ["mismatch", "headline", "framework", "choose", "drift", "mask_cost"]
+    assert [f.key for f in found] == keys
     for f in found:
         check_numbers(f)
+    c = found.get("mask_cost")  # what IPO's mask costs: its row of the mask-cost table
+    row = data.mask_cost.filter(pl.col("spec") == "ipo@prime-rl:eps=0.3").row(0, named=True)
+    assert c.value("ipo.adv_mass_fraction") == row["masked_adv_mass_fraction"]
     m = found.get("mismatch")
     assert m.value("kl_k3") == data.metrics["kl_k3"]
     assert m.value("tokens") == data.tokens == 19_598

@@ -3,6 +3,8 @@ removed and the masked tokens' entropy, on both engine paths, against brute.py's
 
 from __future__ import annotations
 
+import importlib
+
 import brute
 import numpy as np
 import polars as pl
@@ -71,6 +73,7 @@ def _same(row: dict, want: dict, where) -> None:
             assert close(row[k], want[k], rel=1e-9, abs_=1e-12), (where, k, row[k], want[k])
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(df=logs(max_steps=3), by=st.sampled_from([None, "step"]), seed=st.integers(0, 99))
 def test_every_cost_column_matches_brute_force_on_both_paths(df, by, seed):
@@ -134,3 +137,114 @@ def test_ipo_corrective_fraction_is_one_half_on_a_log_symmetric_in_a(backend):
     assert m > 2000
     sigma = 0.5 / np.sqrt(m)
     assert abs(row["masked_corrective_fraction"] - 0.5) < 4 * sigma, (row, sigma)
+
+
+@pytest.mark.parametrize("target", [0.05, 0.2])
+def test_choose_of_adv_mass_equals_a_brute_force_search(target):
+    """choose --of adv-mass: the chosen eps removes the share of sum |A| (recomputed at it by
+    brute.py) closest to the target that any eps can, within choose's tolerance: a brute-force
+    search over every token's |dp| (the fraction only changes there) finds no closer one."""
+    from mismatch_replay.analysis.choose import choose
+
+    df = random_log(np.random.default_rng(21), steps=4, seqs=10, max_len=40, mismatch=0.2)
+    L = brute.Log(df)
+    with log_file(df) as path:
+        res = choose([path], target, rules=["ipo"], of="adv-mass", bootstrap=30, tol=0.01)
+    (c,) = res.rows
+    got = brute.evaluate(L, "ipo", {"eps": c.value})[None]
+    assert c.of == "adv-mass" and c.status in ("ok", "ties"), c
+    assert close(c.masked_adv_mass_fraction, got["masked_adv_mass_fraction"], rel=1e-9)
+    assert c.masked_tokens == got["masked_tokens"]
+    # brute force: masking |dp| > eps, eps just below each token's |dp| in turn
+    a = np.abs(L.adv)
+    order = np.argsort(-L.abs_dp, kind="stable")
+    reach = np.cumsum(a[order]) / a.sum()  # the fractions eps can give (each score: a step)
+    best = reach[np.argmin(np.abs(reach - target))]
+    err = abs(c.masked_adv_mass_fraction - target)
+    assert err <= max(0.01 * target, abs(best - target)) + 1e-12, (c, best)
+    assert c.ci_low is not None and c.ci_low <= c.value <= c.ci_high
+
+
+def test_choose_of_adv_mass_refuses_m2po_and_a_log_without_advantage():
+    from mismatch_replay.analysis.choose import choose
+    from mismatch_replay.errors import DataError, UsageError
+
+    df = random_log(np.random.default_rng(2), steps=2, seqs=3)
+    with log_file(df) as path:
+        with pytest.raises(UsageError, match="m2po"):
+            choose([path], 0.1, rules=["m2po"], of="adv-mass", bootstrap=0)
+        with pytest.raises(UsageError, match="--of"):
+            choose([path], 0.1, rules=["ipo"], of="mass", bootstrap=0)
+    with log_file(df.drop("advantage")) as path, pytest.raises(DataError, match="advantage"):
+        choose([path], 0.1, rules=["ipo"], of="adv-mass", bootstrap=0)
+
+
+@pytest.mark.slow
+def test_compare_cells_split_by_direction_as_brute_force():
+    """compare's cells: corrective + divergent + neutral = tokens; A's cells (both, only A)
+    hold A's masked corrective and divergent tokens, B's likewise; the disputed tokens say
+    their direction."""
+    from mismatch_replay.analysis.compare import compare
+
+    df = random_log(np.random.default_rng(5), steps=3, seqs=8, mismatch=0.3)
+    L = brute.Log(df)
+    a, b = {"eps": 0.05}, {"low": 0.02, "high": 0.02}
+    for backend in BACKENDS:
+        with fast.use_backend(backend), log_file(df) as path:
+            res = compare([path], "ipo:eps=0.05", "dppo-tv:low=0.02,high=0.02", examples=3)
+        cells = res.cells
+        for c in cells.values():
+            assert c.corrective + c.divergent + c.neutral == c.tokens
+        for name, params, mine in (
+            ("ipo", a, ("both", "only_a")),
+            ("dppo-tv", b, ("both", "only_b")),
+        ):
+            want = brute.evaluate(L, name, params)[None]
+            for k, col in (("corrective", "masked_corrective"), ("divergent", "masked_divergent")):
+                assert sum(getattr(cells[m], k) for m in mine) == want[col], (backend, name, k)
+            mass = sum(cells[m].adv_mass for m in mine)
+            assert close(mass, want["masked_adv_mass"], rel=1e-9), (backend, name)
+        assert cells["only_b"].corrective == 0 and cells["both"].corrective == 0  # DPPO
+        assert res.examples and all(
+            e["direction"] in ("corrective", "divergent", "neutral") for e in res.examples
+        )
+
+
+def test_figure_table_finding_and_definitions():
+    """figure_data's mask_cost rows are the presets' sweep rows; masked_direction draws one
+    bar a setting and direction; the finding quotes IPO's numbers; `rules --json` carries
+    the definitions."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mismatch_replay import analysis
+
+    F = importlib.import_module("mismatch_replay.analysis.findings")
+    from mismatch_replay.analysis.mask_cost import COST_PRESETS
+    from mismatch_replay.cli import app
+    from mismatch_replay.viz.direction import masked_direction
+
+    df = _with_entropy(random_log(np.random.default_rng(9), steps=3, seqs=6, mismatch=0.3), 1)
+    with log_file(df) as path:
+        data = analysis.figure_data([path])
+        rows = engine.sweep([path], rules=list(COST_PRESETS)).table
+    t = data.mask_cost
+    assert set(COST_PRESETS) <= {s.split(":")[0] for s in t["spec"].to_list()}
+    for r in rows.iter_rows(named=True):
+        got = t.filter(pl.col("spec") == r["spec"]).row(0, named=True)
+        for k in ("masked_tokens", *COST):
+            assert got[k] == r[k] or close(got[k], r[k], rel=1e-12), (r["spec"], k)
+    fig = masked_direction(t)
+    axes = fig.get_axes()
+    assert len(axes) == 3
+    bars = [p for p in axes[0].patches if str(p.get_gid()).startswith("dir|")]
+    assert len(bars) == 3 * t.height
+    f = F.mask_cost(F.Context(data, None))
+    ipo = t.filter(pl.col("spec").str.starts_with("ipo@prime-rl:")).row(0, named=True)
+    assert f is not None and f.value("ipo.adv_mass_fraction") == ipo["masked_adv_mass_fraction"]
+    assert f.value("ipo.corrective_fraction") == ipo["masked_corrective_fraction"]
+    doc = json.loads(CliRunner().invoke(app, ["rules", "--json"]).stdout)
+    assert doc["mask_cost"]["corrective"].startswith("A * (p - q) < 0")
+    by = {r["name"]: r["masks_updates"] for r in doc["rules"]}
+    assert by["dppo-tv"].startswith("divergent only") and by["ipo"].startswith("corrective")

@@ -58,6 +58,7 @@ from ..gcpause import frozen
 from ..present import Presentable
 from ..rules import REGISTRY, Rule, parse_rule
 from . import summaries
+from .choose_mass import OF, choose_mass
 from .search import (
     REFINE_POINTS,
     Search,
@@ -117,6 +118,9 @@ class Choice:
     passes: int  # passes over the log the answer took
     spec: str  # the rule at the chosen value
     curve: list[CurvePoint] | None = None  # with curve=True
+    # what the target is a share of: "tokens", or "adv-mass" (choose_mass.py: sum |A|)
+    of: str = "tokens"
+    masked_adv_mass_fraction: float | None = None  # with of="adv-mass": at the value
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "curve"}
@@ -187,6 +191,7 @@ def choose(
     precision: str | None = None,
     tally: engine.Tally | None = None,
     curve: bool = False,
+    of: str = "tokens",
 ) -> ChooseResult:
     """For each rule (and each of its threshold parameters), the value whose masked fraction
     is closest to `target_fraction`, with a bootstrap interval. Without a target: the masked
@@ -198,8 +203,12 @@ def choose(
     the report's shared read: then none). Without a tail, two or more passes (the module
     docstring). `curve=True` adds to each choice its `curve`: the exact masked fraction at
     the default grid values around the chosen one (`_curve`, the report's table).
+    `of="adv-mass"`: the target is a share of the advantage mass sum |A| the mask removes
+    (masked_adv_mass_fraction), not of the tokens (choose_mass.py; plain replays, no tail).
     """
     plan = ingest.plan_sources(sources, options)
+    if of not in OF:
+        raise UsageError(f"--of {of}: use {' or '.join(OF)}.")
     if target_fraction is not None and not 0.0 < target_fraction < 1.0:
         raise UsageError(f"--target-fraction {target_fraction}: give a fraction in (0, 1).")
     if rules:
@@ -220,6 +229,15 @@ def choose(
             f"{plan.files[0]}: a bootstrap over sequences needs a sample_id column; "
             "use --bootstrap-unit step, or map one with --map sample_id=COLUMN."
         )
+    if of == "adv-mass":
+        if target_fraction is None:
+            raise UsageError("--of adv-mass needs --target-fraction F (a share of sum |A|).")
+        if not rules:  # m2po ranks whole steps: no |A| sums (choose_mass.py)
+            chosen = [r for r in chosen if r.level != "step"]
+        rows = choose_mass(
+            plan, chosen, target_fraction, bootstrap, unit, seed, tol, max_passes, progress
+        )
+        return ChooseResult(target_fraction, rows)
     jobs = choice_jobs(chosen, target_fraction is not None)
     rows: list[Choice] = []
     if target_fraction is None:

@@ -49,10 +49,12 @@ from .drift import DriftResult, drift, drift_from, drift_rules
 from .figure_data import (
     NO_LENGTH_NOTE,
     FigureData,
+    cost_settings,
     default_settings,
     length_rules,
     length_table,
 )
+from .mask_cost import cost_table
 from .search import choice_jobs, first_jobs, job_key, tail_fraction
 from .tail_counts import TailCounts
 
@@ -406,6 +408,7 @@ def report_data(
         res = full.result()
         table = res.table
         presets = _preset_fractions(table)
+        mask_cost = cost_table(table, cost_settings(plan.columns, settable))  # one-value rows
         if len(full.jobs) > n0:  # in job order: the sweep's jobs first, then choose's and the rest
             table = table.head(sum(len(j.values) for j in full.jobs[:n0]))
         if on_sweep is not None:
@@ -487,6 +490,7 @@ def report_data(
         by_length=by_length,
         given=bool(given),
         presets=presets,
+        mask_cost=mask_cost,
     )
     names_ = None if pair is None else (pair[0].spec(), pair[1].spec())
     dec = Decisions(

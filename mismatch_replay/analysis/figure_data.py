@@ -26,6 +26,7 @@ from .. import engine, ingest
 from ..present import Presentable
 from ..rules import Rule, parse_rule
 from . import summaries
+from .mask_cost import COST_PRESETS, cost_table
 
 # The settings drawn by default: the two IPO defaults, the two IcePop bands, KPop, DPPO-TV.
 DEFAULT_SETTINGS = (
@@ -70,6 +71,9 @@ class FigureData(Presentable):
     given: bool = False  # `settings` are the rules the user gave (else DEFAULT_SETTINGS)
     # spec -> exact masked (truncated) fraction at each catalogue preset (report_data)
     presets: dict[str, float] = field(default_factory=dict)
+    # what each setting's mask costs (analysis/mask_cost.py: the chosen settings and
+    # COST_PRESETS, one row each; None: the log has no advantage column)
+    mask_cost: pl.DataFrame | None = None
 
     @property
     def table(self) -> pl.DataFrame:
@@ -77,7 +81,7 @@ class FigureData(Presentable):
 
     def to_dict(self) -> dict:
         """The tables as rows and the scalars (the histograms as nested lists)."""
-        frames = ("sweep", "steps", "step_metrics", "buckets", "by_length")
+        frames = ("sweep", "steps", "step_metrics", "buckets", "by_length", "mask_cost")
         d = {k: None if getattr(self, k) is None else getattr(self, k).to_dicts() for k in frames}
         d.update(metrics=dict(self.metrics), tokens=self.tokens, sources=list(self.sources))
         d.update(settings=[r.spec() for r in self.settings], notes=list(self.notes))
@@ -149,9 +153,16 @@ def figure_data(
         if settings
         else default_settings(plan.columns)
     )
+    costed = cost_settings(plan.columns, chosen)
     with engine.use_precision(precision):
-        full = engine.replay(plan, rules=None, sweeps=sweeps, progress=progress, final=True)
+        # the sweep, and the settings whose mask cost the figure draws as one-value jobs
+        sweep_jobs, sweep_notes = engine.plan_jobs(None, sweeps, plan.columns)
+        extra = [engine.single_job(r) for r in costed if r.level != "step"]
+        full = engine.replay(plan, jobs=[*sweep_jobs, *extra], progress=progress, final=True)
+        full.notes = [*sweep_notes, *full.notes]
         res = full.result()
+        cost = cost_table(res.table, costed)
+        res.table = res.table.head(sum(len(j.values) for j in full.jobs[: len(sweep_jobs)]))
         by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
         by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
         by_length = length_table(
@@ -174,4 +185,13 @@ def figure_data(
         notes=notes,
         by_length=by_length,
         given=bool(settings),
+        mask_cost=cost,
     )
+
+
+def cost_settings(columns: Sequence[str], chosen: Sequence[Rule]) -> list[Rule]:
+    """The settings whose mask cost the report draws: the chosen ones (at a setting), then
+    mask_cost.COST_PRESETS, those the log's columns support."""
+    out = [r for r in chosen if all(v is not None for v in r.values().values())]
+    out += [parse_rule(s) for s in COST_PRESETS]
+    return [r for r in out if all(c in columns for c in r.needs) and r.level != "step"]

@@ -15,7 +15,10 @@ result objects only, never rendered text:
   its format tells (`Summary.format`: prime-rl, nemo-rl, skyrl, slime);
 * the threshold `choose` picked for the target, with its bootstrap interval (`Choice`);
 * the drift verdict: the drift steps against the baseline, and whether the headline rules'
-  masked fractions followed (`DriftResult`, its `RuleVerdict`s).
+  masked fractions followed (`DriftResult`, its `RuleVerdict`s);
+* what a mask costs the gradient (`FigureData.mask_cost`, analysis/mask_cost.py): the share
+  of the advantage mass IPO at prime-rl's eps removes, how many of its masked updates were
+  corrective, against DPPO's (which masks divergent ones only), and their entropy.
 
 Each finder is a function `(Context) -> Finding | None` (None: nothing to say, e.g. a
 framework with no preset the log can count); `FINDERS` lists them in reading order. Later
@@ -551,6 +554,47 @@ def diagnosed(ctx: Context) -> Finding | None:
     return s.done("diagnose", f"Diagnose found {n} of {total} causes: {'; '.join(causes)}.")
 
 
+def _cost_row(table: pl.DataFrame, spec: str) -> dict | None:
+    """The mask-cost row of a preset (its spec starts with `name@preset:`), None without."""
+    rows = table.filter(pl.col("spec").str.starts_with(spec + ":")).to_dicts()
+    return rows[0] if rows and rows[0]["masked_adv_mass_fraction"] is not None else None
+
+
+def mask_cost(ctx: Context) -> Finding | None:
+    """What IPO at prime-rl's default costs the gradient: the share of sum |A| it removes
+    and the corrective share of its masked updates, beside DPPO-TV at prime-rl's (divergent
+    only, by construction), and the masked tokens' entropy against the log's."""
+    table = getattr(ctx.data, "mask_cost", None)
+    if table is None or table.height == 0:
+        return None
+    s = _Sentence()
+    ipo = _cost_row(table, "ipo@prime-rl")
+    if ipo is None:
+        return None
+    rule = parse_rule("ipo@prime-rl")
+    setting = _setting_text(s, rule, "ipo")
+    mass = s.pct("ipo.adv_mass_fraction", ipo["masked_adv_mass_fraction"])
+    text = f"IPO at prime-rl's {setting} removes {mass} of the advantage mass sum |A|"
+    if ipo["masked_corrective_fraction"] is not None:
+        corr = s.pct("ipo.corrective_fraction", ipo["masked_corrective_fraction"])
+        text += (
+            f"; of its masked tokens whose update has a direction, {corr} were corrective "
+            "(pulling p back toward q)"
+        )
+        dppo = _cost_row(table, "dppo-tv@prime-rl")
+        if dppo is not None:
+            dset = _setting_text(s, parse_rule("dppo-tv@prime-rl"), "dppo-tv")
+            dm = s.pct("dppo-tv.adv_mass_fraction", dppo["masked_adv_mass_fraction"])
+            text += (
+                f", while DPPO-TV at prime-rl's {dset} removes {dm} and masks divergent ones only"
+            )
+    if ipo["masked_entropy_mean"] is not None and ipo["entropy_mean"] is not None:
+        me = s.g("ipo.masked_entropy_mean", ipo["masked_entropy_mean"])
+        le = s.g("entropy_mean", ipo["entropy_mean"])
+        text += f"; its masked tokens' mean entropy is {me} against {le} over every token"
+    return s.done("mask_cost", text + ".")
+
+
 FINDERS: tuple[Callable[[Context], Finding | None], ...] = (
     mismatch_level,
     diagnosed,
@@ -558,6 +602,7 @@ FINDERS: tuple[Callable[[Context], Finding | None], ...] = (
     framework_settings,
     chosen_threshold,
     drift_verdict,
+    mask_cost,
 )
 
 

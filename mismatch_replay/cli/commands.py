@@ -67,7 +67,9 @@ def rules(json_: JsonOpt = False) -> None:
 
     recs = catalogue_records()
     if json_:
-        render.print_json({"rules": recs})
+        from ..rules.cost import DEFINITIONS
+
+        render.print_json({"rules": recs, "mask_cost": DEFINITIONS})
         return
     render.print_rules(recs)
 
@@ -379,6 +381,15 @@ def choose(
         ),
     ] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Bootstrap seed.")] = 0,
+    of: Annotated[
+        str,
+        typer.Option(
+            "--of",
+            metavar="tokens|adv-mass",
+            help="What --target-fraction is a share of: the loss tokens (default), or the "
+            "advantage mass sum |A| the mask removes (masked_adv_mass_fraction).",
+        ),
+    ] = "tokens",
     from_config: FromConfigOpt = None,
     framework: FrameworkOpt = None,
     emit: Annotated[
@@ -432,6 +443,7 @@ def choose(
                 options=opts,
                 progress=cb,
                 precision=precision,
+                of=of,
             )
         notes = _precision_notes(sources, [r.spec for r in rows], opts, precision)
         text = None

@@ -554,13 +554,19 @@ def print_paths(paths: list[dict]) -> None:
 def print_choose(rows, target_fraction: float | None, to_err: bool) -> None:
     """choose: one row per rule setting and parameter (the value, its interval, the masked
     fraction, the status) and the numbered notes; on stderr when stdout carries --emit."""
+    mass = any(getattr(r, "of", "tokens") == "adv-mass" for r in rows)  # --of adv-mass
     title = (
         f"threshold masking {pct(target_fraction)} of tokens"
         if target_fraction is not None
         else "masked fraction at each setting"
     )
+    if mass:
+        title = f"threshold removing {pct(target_fraction)} of the advantage mass sum |A|"
     t = Table(title=title, show_edge=False)
-    for c in ("rule [fixed]", "param", "value", "95% interval", "masked", "status"):
+    heads = ["rule [fixed]", "param", "value", "95% interval", "masked", "status"]
+    if mass:
+        heads[4:4] = ["|A| removed"]
+    for c in heads:
         left = c in ("rule [fixed]", "param")
         t.add_column(escape(c), justify="left" if left else "right", overflow="fold")
     notes: list[str] = []
@@ -571,7 +577,8 @@ def print_choose(rows, target_fraction: float | None, to_err: bool) -> None:
         status = r.status + (f" [{len(notes) + 1}]" if r.note else "")
         if r.note:
             notes.append(r.note)
-        add_row(t, label, r.param, fmt_num(r.value), ci, pct(r.masked_fraction), status)
+        shares = [pct(r.masked_adv_mass_fraction)] if mass else []
+        add_row(t, label, r.param, fmt_num(r.value), ci, *shares, pct(r.masked_fraction), status)
     show(t, to_err)
     for i, n in enumerate(notes, 1):
         say(f"[{i}] {n}", to_err)

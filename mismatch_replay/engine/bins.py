@@ -115,8 +115,11 @@ def direction_class(lp: np.ndarray, lq: np.ndarray, adv: np.ndarray) -> np.ndarr
     dp == 0. sign(dp) = sign(p - q) = sign(lp - lq), and lp - lq is 0 only when lp == lq:
     the class is exact, with no exp. int64."""
     l = np.asarray(lp, dtype=np.float64) - np.asarray(lq, dtype=np.float64)  # noqa: E741
-    s = np.sign(l) * np.sign(np.asarray(adv, dtype=np.float64))
-    return np.where(s < 0, CORRECTIVE, np.where(s > 0, DIVERGENT, NEUTRAL)).astype(np.int64)
+    a = np.asarray(adv, dtype=np.float64)
+    ap, an, lpos, lneg = a > 0, a < 0, l > 0, l < 0
+    out = ((ap & lneg) | (an & lpos)).astype(np.int64)  # CORRECTIVE = 1
+    out += 2 * ((ap & lpos) | (an & lneg))  # DIVERGENT = 2
+    return out
 
 
 @dataclass

@@ -488,7 +488,10 @@ def boot_counts(tally, ji: int) -> tuple[np.ndarray, np.ndarray] | None:
         b = fast.bin_scores(
             job.rule.score(st, job.param), job.sorted_thresholds, job.rule.inclusive
         )
-        w = tally.seq_unit_weights() * st.n[None, :]
+        per = st.n  # tokens, or (choose --of adv-mass) each sequence's |A| sum
+        if getattr(tally, "boot_weight", None) == "adv":
+            per = tally.sequences.column("cost_amass")
+        w = tally.seq_unit_weights() * per[None, :]
         width = len(job.values) + 2
         counts = np.stack([np.bincount(b, weights=wb, minlength=width) for wb in w])
         tokens = w.sum(axis=1)

@@ -219,7 +219,9 @@ def _local_tally(plan, jobs, notes, by, match, bootstrap, robust, tail, precisio
     if tail is not None:  # its buffers sized once from the first batch (Tail.expected)
         tail.expected = max(tail.expected, sum(plan.rows))
     if bootstrap is not None:
-        tally.boot_replicates, tally.boot_unit, tally.boot_seed = bootstrap
+        tally.boot_replicates, tally.boot_unit, tally.boot_seed = bootstrap[:3]
+        # a 4th item "adv": the replicates sum |A| (choose --of adv-mass, Tally.boot_weight)
+        tally.boot_weight = bootstrap[3] if len(bootstrap) > 3 else None
         if tally.boot_unit == "sequence" and not tally.has_seq:
             raise DataError(
                 f"{plan.files[0]}: a bootstrap over sequences needs a sample_id column; "

@@ -254,14 +254,38 @@ class Sequences:
         parts["group"] = first
         self.merge(parts, uniq)
 
-    def add_cost(self, uniq: np.ndarray, local: np.ndarray, dirn, absadv, ent) -> None:
+    def add_cost(
+        self, uniq: np.ndarray, local: np.ndarray, dirn, absadv, ent, lp=None, lq=None, adv=None
+    ) -> None:
         """A batch's per-sequence partials of what a mask costs: each token's direction
         class and |A| (bins.direction_class; None without an advantage) and entropy (None
-        without; non-finite ones left out)."""
+        without; non-finite ones left out). Given the log-probs and the advantage, on the
+        fused backend one kernel pass (`jit.seq_cost`) instead, `dirn` and `absadv` unread."""
         from .bins import CORRECTIVE, DIVERGENT
 
         m = uniq.shape[0]
         parts = {}
+        j = fast.compiled() if lp is not None else None
+        if j is not None:  # one pass, GIL free: the sums numpy's bincounts make, bit for bit
+            out = np.zeros((m, 5))
+            has_adv, has_ent = adv is not None, ent is not None
+            z = np.zeros(1)
+            j.seq_cost(
+                np.ascontiguousarray(lp, dtype=np.float64),
+                np.ascontiguousarray(lq, dtype=np.float64),
+                np.ascontiguousarray(adv, dtype=np.float64) if has_adv else z,
+                np.ascontiguousarray(ent, dtype=np.float64) if has_ent else z,
+                np.ascontiguousarray(local, dtype=np.int64),
+                has_adv,
+                has_ent,
+                out,
+            )
+            names = [*(COST_SUMS[:3] if has_adv else ()), *(COST_SUMS[3:] if has_ent else ())]
+            cols = [*((0, 1, 2) if has_adv else ()), *((3, 4) if has_ent else ())]
+            self.cost_kept["dir"] |= has_adv
+            self.cost_kept["ent"] |= has_ent
+            self.merge({n: out[:, c] for n, c in zip(names, cols, strict=True)}, uniq)
+            return
         if dirn is not None:
             self.cost_kept["dir"] = True
             parts["cost_corr"] = np.bincount(local, weights=dirn == CORRECTIVE, minlength=m)

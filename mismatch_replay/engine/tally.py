@@ -173,6 +173,8 @@ class Tally(Leading, Presentable):
     boot_seed: int = 0
     boot_counts: dict[int, np.ndarray] = field(default_factory=dict)  # (B, K + 2) per job
     boot_tokens: np.ndarray | None = None  # (B,) weighted loss tokens
+    # "adv": the replicates sum |A| instead of counting tokens (choose --of adv-mass)
+    boot_weight: str | None = None
     robust: bool = False
     # the tokens beyond per-coordinate cutoffs, kept for exact counts after the pass (tail.py)
     tail: Tail | None = None
@@ -456,7 +458,10 @@ class Tally(Leading, Presentable):
         self.version += 1
         cost = _Cost(lp, lq, adv, ent)  # what a mask costs: computed where first read
         if seq is not None and self._seq_cost and (adv is not None or ent is not None):
-            self.sequences.add_cost(seq[1][0], seq[1][1], cost.dirn, cost.absadv, ent)
+            if fused is not None:  # the kernel's pass (jit.seq_cost): no per-token arrays
+                self.sequences.add_cost(seq[1][0], seq[1][1], None, None, ent, lp, lq, adv)
+            else:
+                self.sequences.add_cost(seq[1][0], seq[1][1], cost.dirn, cost.absadv, ent)
         if fused is None:
             if self.tail is not None:  # nothing kept: its consumers make a pass instead
                 self.tail.refuse(f"the simple path ({self._fused_off})")
@@ -612,7 +617,8 @@ class Tally(Leading, Presentable):
         if boot is not None:
             uniq, local, wts = boot
             width = len(job.values) + 2
-            c = np.bincount(local * width + b, minlength=uniq.shape[0] * width)
+            w = cost[1] if self.boot_weight == "adv" and cost is not None else None
+            c = np.bincount(local * width + b, weights=w, minlength=uniq.shape[0] * width)
             acc = self.boot_counts.setdefault(ji, np.zeros((self.boot_replicates, width)))
             acc += wts @ c.reshape(uniq.shape[0], width)
         if seq is not None:
@@ -664,7 +670,8 @@ class Tally(Leading, Presentable):
         ids = seq[0] if self.boot_unit == "sequence" else df["step"].to_numpy()
         uniq, local = np.unique(ids, return_inverse=True)
         wts = poisson_weights(uniq, self.boot_replicates, self.boot_seed)
-        tokens = wts @ np.bincount(local, minlength=uniq.shape[0]).astype(float)
+        w = np.abs(df["advantage"].to_numpy()) if self.boot_weight == "adv" else None
+        tokens = wts @ np.bincount(local, weights=w, minlength=uniq.shape[0]).astype(float)
         self.boot_tokens = tokens if self.boot_tokens is None else self.boot_tokens + tokens
         return uniq, local, wts
 

@@ -26,6 +26,7 @@ from .jit_rows import (  # noqa: F401  (re-exported: compiled() hands out one mo
     check_column,
     poisson_weights_t,
     q_bucket_codes,
+    seq_cost,
     seq_runs,
     take_runs,
 )
@@ -165,7 +166,7 @@ N_CLAMPED_SUMS = 2
 N_SEQ_SUMS = len(SEQ_SUMS)
 SEQ_MAX = "max_k2"  # sq_mx
 SEQ_MIN = "min_l"  # sq_mn
-N_FSCRATCH = 14  # float64 scratch rows of coord_pass (the last: a run's metric sums)
+N_FSCRATCH = 19  # float64 scratch rows of coord_pass (13: a run's metric sums; 14-18: cost)
 N_USCRATCH = 5  # uint64 scratch rows
 
 
@@ -381,10 +382,12 @@ def coord_pass(
     lin_lo, lin_w, log_lo, log_w, ln10 = consts[1], consts[2], consts[3], consts[4], consts[5]
     nbins = np.int64(consts[6])
     HW = np.uint64(cm.shape[1])
-    # cm's last axis: count, |dp| mass and, 5 wide (a log with an advantage or entropy),
-    # |A|, the finite entropies' sum and count (what a mask costs: fast/program.expand)
+    # cm's last axis: count, |dp| mass and, 5 wide (a log with an advantage), |A| and the
+    # corrective and divergent tokens; 7 wide (an entropy column) also the finite
+    # entropies' sum and count (what a mask costs: fast/program.expand)
     CW = np.uint64(cm.shape[2])
-    cost = cm.shape[2] > 2
+    cost_a = has_adv and cm.shape[2] >= 5
+    cost_e = has_ent and cm.shape[2] >= 7
     SW = np.uint64(smn.shape[1])
     cmf = _flat(cm)
     sfracf = _flat(sfrac)
@@ -416,6 +419,11 @@ def coord_pass(
     tx = fs[11]
     ty = fs[12]
     b_run = fs[13]  # a run's metric sums (_run_sums)
+    b_aa = fs[14]  # |A| (what a mask costs)
+    b_cor = fs[15]  # 1.0 where A * l < 0 (corrective), else 0.0
+    b_div = fs[16]  # 1.0 where A * l > 0 (divergent)
+    b_en = fs[17]  # the entropy where finite, else 0.0
+    b_eok = fs[18]  # 1.0 where the entropy is finite
     b_cls = us[0]  # advantage class: 0 a == 0, 1 a > 0, 2 a < 0 (zeros from the caller)
     b_lc = us[1]  # the same for l
     b_gw = us[2]  # group * HW
@@ -487,6 +495,15 @@ def coord_pass(
             if has_adv:
                 a = adv[i]
                 b_cls[t] = np.uint64(1) if a > 0 else (np.uint64(2) if a < 0 else _U0)
+                if cost_a:  # the direction of the token's update (engine/bins.direction_class)
+                    b_aa[t] = abs(a)
+                    b_cor[t] = 1.0 if (a > 0 and l < 0) or (a < 0 and l > 0) else 0.0
+                    b_div[t] = 1.0 if (a > 0 and l > 0) or (a < 0 and l < 0) else 0.0
+            if cost_e:
+                e = ent[i]
+                fin = e - e == 0.0
+                b_en[t] = e if fin else 0.0
+                b_eok[t] = 1.0 if fin else 0.0
             if has_seq:
                 b_so[t] = np.uint64(sl[i]) * SW
             if do_m2po:
@@ -657,14 +674,13 @@ def coord_pass(
                 h2 = h * CW  # count and |dp| mass side by side: one cache line a token
                 cmf[h2] += 1.0
                 cmf[h2 + _U1] += b_adp[t]
-                if cost:
-                    if has_adv:
-                        cmf[h2 + np.uint64(2)] += abs(adv[start + t])
-                    if has_ent:
-                        e = ent[start + t]
-                        if e - e == 0.0:  # finite
-                            cmf[h2 + np.uint64(3)] += e
-                            cmf[h2 + np.uint64(4)] += 1.0
+                if cost_a:  # |A|, corrective, divergent (the block's, computed once)
+                    cmf[h2 + np.uint64(2)] += b_aa[t]
+                    cmf[h2 + np.uint64(3)] += b_cor[t]
+                    cmf[h2 + np.uint64(4)] += b_div[t]
+                if cost_e:
+                    cmf[h2 + np.uint64(5)] += b_en[t]
+                    cmf[h2 + np.uint64(6)] += b_eok[t]
                 if has_invn:
                     sfracf[h] += invn[start + t]
                 if wt:

@@ -122,3 +122,26 @@ def q_bucket_codes(lq, edges, out, first):
         out[i] = k
         if first[k] < 0:
             first[k] = i
+
+
+@njit(nogil=True, cache=True)
+def seq_cost(lp, lq, adv, ent, local, has_adv, has_ent, out):
+    """What a mask costs, per sequence of a batch (engine.Sequences.add_cost's numpy):
+    out[s] += (corrective tokens, divergent tokens, sum |A|, sum of the finite entropies,
+    their count) over the tokens i with local[i] == s, added in token order (np.bincount's
+    order: the same sums). Corrective: A * (lp - lq) < 0, divergent > 0 (bins.direction_class)."""
+    for i in range(local.shape[0]):
+        s = local[i]
+        if has_adv:
+            a = adv[i]
+            d = lp[i] - lq[i]
+            if (a > 0.0 and d < 0.0) or (a < 0.0 and d > 0.0):
+                out[s, 0] += 1.0
+            elif (a > 0.0 and d > 0.0) or (a < 0.0 and d < 0.0):
+                out[s, 1] += 1.0
+            out[s, 2] += abs(a)
+        if has_ent:
+            e = ent[i]
+            if e - e == 0.0:  # finite
+                out[s, 3] += e
+                out[s, 4] += 1.0

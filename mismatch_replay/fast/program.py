@@ -454,12 +454,10 @@ def _derive(plan: Plan, kind: str, batches, shape, empty: np.ndarray) -> str | t
     return mid, np.where(rat, np.nan, w[..., N_SAMPLES // 2])
 
 
-def build_coordinate(kind: str, clamp, plans: dict[int, Plan], direction: bool = False):
+def build_coordinate(kind: str, clamp, plans: dict[int, Plan]):
     """The windows and interval bins of one coordinate shared by `plans` (job index ->
     Plan): (edges, classes, ma, ml, {job: (jobbin, wconst)}) or None when no plan is left,
-    and {job: reason} for the plans that cannot be derived. `direction`: every class of
-    (sign of the advantage, sign of l), whatever the plans tell apart, so that each class
-    is one direction of the update (Program.direction)."""
+    and {job: reason} for the plans that cannot be derived."""
     lsign = COORDINATES[kind].lsign
     full = [(a, s) for a in A_OF_CLASS for s in (L_OF_CLASS if lsign else (0.0,))]
     rejected: dict[int, str] = {}
@@ -504,11 +502,6 @@ def build_coordinate(kind: str, clamp, plans: dict[int, Plan], direction: bool =
     pick = [a * ns + s for a in ai for s in si]
     classes = [full[i] for i in pick]
     ma, ml = (len(si) if by_adv else 0), (1 if by_l else 0)
-    if direction:  # all 9 (advantage, sign of l) classes; a plan blind to l: its (a, 0) row
-        nl = len(L_OF_CLASS)
-        pick = [a * ns + (s if lsign else 0) for a in range(na) for s in range(nl)]
-        classes = [(a, s) for a in A_OF_CLASS for s in L_OF_CLASS]
-        ma, ml = nl, 1
     m = lo.shape[0]
     out = {}
     for ji, (mid, wc) in rows.items():
@@ -536,10 +529,10 @@ class Program:
     """
 
     def __init__(self, jobs, direction: bool = False, entropy: bool = False):
-        # direction (a log with an advantage): every coordinate keeps the 9 classes of
-        # (sign of A, sign of l), so each class's sums are one direction of the update
-        # (corrective, divergent, neutral: engine/bins.direction_class), and the kernel
-        # sums |A| and the entropy beside count and mass (`expand`)
+        # direction (a log with an advantage): the kernel also sums, per interval, |A| and
+        # the corrective and divergent tokens (engine/bins.direction_class), entropy: the
+        # finite entropies and their count, beside count and mass (`expand`: what a mask
+        # costs, per bin)
         self.direction = bool(direction)
         self.entropy = bool(entropy)  # the log has an entropy column: its sums too
         self.reasons: list[str | None] = [None] * len(jobs)
@@ -557,7 +550,7 @@ class Program:
             )
         built = []
         for key in sorted(groups, key=lambda k: COORDINATES[k[0]].code):
-            got, rejected = build_coordinate(*key, groups[key], self.direction)
+            got, rejected = build_coordinate(*key, groups[key])
             for ji, why in rejected.items():
                 self.reasons[ji] = why
             if got is not None:
@@ -692,18 +685,13 @@ class Program:
             "wsq": np.zeros((G, max(self.wwidth, 1))),
             "wmax": np.full((G, max(self.wwidth, 1)), -math.inf),
         }
-        cost = [k for k in ("amass", "ent", "ent_n") if k in h]
-        dirn = ("corr", "div") if self.direction else ()
-        out |= {k: np.zeros((G, self.width)) for k in (*dirn, *cost)}
+        cost = [k for k in ("amass", "corr", "div", "ent", "ent_n") if k in h]
+        out |= {k: np.zeros((G, self.width)) for k in cost}
         rows = np.arange(G, dtype=np.int64)[:, None]
         for ci, c in enumerate(self.coords):
             a = int(self.choff[ci])
             span = slice(a, a + c.ncls * c.intervals)
             cnt = h["count"][:G, span]
-            if self.direction:  # each class's direction: sign(a) * sign(l)
-                sgn = np.array([np.sign(av) * np.sign(lv) for av, lv in c.classes])
-                per = np.repeat(sgn, c.intervals)[None, :]
-                corr, div = np.where(per < 0, cnt, 0), np.where(per > 0, cnt, 0)
             for si, s in enumerate(c.slots):
                 k2 = int(self.k[s]) + 2
                 jb = c.jobbin[si, :, : c.intervals].reshape(-1)  # (ncls * intervals,)
@@ -716,9 +704,6 @@ class Program:
 
                 add("count", cnt)
                 add("mass", h["mass"][:G, span])
-                if self.direction:
-                    add("corr", corr)
-                    add("div", div)
                 for k in cost:
                     add(k, h[k][:G, span])
                 if out["seqfrac"] is not None:

@@ -349,9 +349,10 @@ class Fused:
         # count and |dp| mass side by side (a token's two additions share a cache line);
         # counts as float64 are exact up to 2**53 tokens
         self.ordered = True  # one copy, chunks added in order (the class docstring)
-        # cost (a log with an advantage or entropy): also |A|, entropy sum, finite count
+        # what a mask costs: with an advantage also |A| and the corrective and divergent
+        # tokens (5 wide), with an entropy column also its finite sum and count (7 wide)
         self.cost = bool(program.direction or program.entropy)
-        self.cm = np.zeros((1, 0, hw, 5 if self.cost else 2))
+        self.cm = np.zeros((1, 0, hw, 7 if program.entropy else 5 if self.cost else 2))
         self.sfrac = np.zeros((1, 0, hw if seqfrac else 1))
         self.wsum = np.zeros((1, 0, ww))
         self.wsq = np.zeros_like(self.wsum)
@@ -793,11 +794,12 @@ class Fused:
         }
         if self.seqfrac:
             h["seqfrac"] = self.sfrac[:, :g].sum(axis=0)
-        if self.cost:
-            if self.p.direction:
-                h["amass"] = np.ascontiguousarray(cm[..., 2])
-            h["ent"] = np.ascontiguousarray(cm[..., 3])
-            h["ent_n"] = np.ascontiguousarray(cm[..., 4])
+        if self.p.direction:
+            for i, k in ((2, "amass"), (3, "corr"), (4, "div")):
+                h[k] = np.ascontiguousarray(cm[..., i])
+        if self.p.entropy:
+            h["ent"] = np.ascontiguousarray(cm[..., 5])
+            h["ent_n"] = np.ascontiguousarray(cm[..., 6])
         self.cm[:] = 0.0
         self.sfrac[:] = 0.0
         self.wsum[:] = 0.0

@@ -26,7 +26,14 @@ from pathlib import Path
 
 import polars as pl
 
-FIGURE_NAMES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
+FIGURE_NAMES = (
+    "scatter",
+    "masked_fraction",
+    "steps",
+    "where_masked",
+    "masked_by_length",
+    "masked_direction",  # where the log has an advantage column
+)
 INDEX = "index.html"
 
 

@@ -7,6 +7,7 @@ page equal to them). Rules appear in REGISTRY's order.
 from __future__ import annotations
 
 from .base import REGISTRY, Rule
+from .cost import direction_of
 
 
 def catalogue() -> list[type[Rule]]:
@@ -26,6 +27,7 @@ def catalogue_records() -> list[dict]:
                 "kind": cls.kind,
                 "needs": list(cls.needs),
                 "definition": cls.definition,
+                "masks_updates": direction_of(cls.name),  # what a mask costs (cost.py)
                 "source": cls.source,
                 "params": [
                     {

@@ -3,7 +3,8 @@
 Design
 ------
 FIGURES names the five figures a report and `plot` write (scatter, masked_fraction, steps,
-where_masked, masked_by_length); `figures(data)` maps each name the data can draw to a
+where_masked, masked_by_length, and masked_direction: what each setting's mask costs, where
+the log has an advantage column); `figures(data)` maps each name the data can draw to a
 function that builds it from one FigureData (the headline scatter's boundaries come from the
 chosen settings: `scatter_kwargs`; masked_by_length needs `data.by_length`, absent where the
 log has no sequence ids, and a note says so). `render_all` checks the format and every
@@ -40,6 +41,7 @@ from ..errors import UsageError
 from ..gcpause import paused as gc_paused
 from ..output import atomic_write, ensure_dir
 from .curves import masked_fraction
+from .direction import masked_direction
 from .groups import masked_by_length, steps, where_masked
 from .plane import scatter_panels
 from .style import AggCanvas, agg_canvas, steady_ticks
@@ -58,7 +60,14 @@ class Helper(Protocol):
     def result(self, name: str) -> bytes | None: ...  # None: draw it here
 
 
-FIGURES = ("scatter", "masked_fraction", "steps", "where_masked", "masked_by_length")
+FIGURES = (
+    "scatter",
+    "masked_fraction",
+    "steps",
+    "where_masked",
+    "masked_by_length",
+    "masked_direction",
+)
 FORMATS = ("png", "svg", "pdf")
 # zlib level of the PNGs: 3 encodes in 0.7x the time of the default 6, the files 3-10%
 # larger, the pixels the same
@@ -108,6 +117,8 @@ def figures(
     }
     if getattr(data, "by_length", None) is not None:
         out["masked_by_length"] = lambda: masked_by_length(data.by_length)
+    if getattr(data, "mask_cost", None) is not None:  # what each mask costs (an advantage)
+        out["masked_direction"] = lambda: masked_direction(data.mask_cost)
     return out
 
 

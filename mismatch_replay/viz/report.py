@@ -117,6 +117,15 @@ _CAPTIONS = {
         "Masked fraction per sequence-length bucket: a product-ratio mask (seq-MIS) tightens "
         "as sequences grow, a geometric-mean one (geo-MIS) does not; IcePop for reference."
     ),
+    "masked_direction": (
+        "What each setting's mask costs the policy gradient (the chosen settings and the "
+        "presets of the IPO-vs-DPPO debate). Left: its masked tokens split by the direction "
+        "of their update: corrective (A·(p−q) < 0, the step pulls p back toward q), "
+        "divergent (A·(p−q) > 0) and neutral (A = 0 or p = q); DPPO and PPO-clip mask "
+        "divergent updates only. Middle: the share of the advantage mass Σ|A| it removes "
+        "beside its share of the tokens. Right: the masked tokens' mean entropy against "
+        "every loss token's."
+    ),
 }
 _TITLES = {
     "scatter": "Trainer vs inference probability",
@@ -124,6 +133,7 @@ _TITLES = {
     "steps": "Per step",
     "where_masked": "Where each setting masks",
     "masked_by_length": "Masked fraction by sequence length",
+    "masked_direction": "What each mask costs the gradient",
 }
 
 
