@@ -100,7 +100,7 @@ def truncation(st: DiagnoseStats) -> Diagnosis:
         i = st.step_index[s]
         sn, ss = st.step_mom[i]
         slo = shi = math.nan
-        if i < st.step_boot.shape[0]:
+        if i < st.step_boot_n:
             with np.errstate(invalid="ignore", divide="ignore"):
                 slo, shi = ci(st.step_boot[i, :, 1] / st.step_boot[i, :, 0])
         rows.append((s, int(sn), ss / sn, slo, shi))

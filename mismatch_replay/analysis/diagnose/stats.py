@@ -134,6 +134,17 @@ def _kernel():
     return kernel
 
 
+def _grown(a: np.ndarray, n: int, inner: tuple = ()) -> np.ndarray:
+    """`a` (rows of shape `inner`) with room for at least n rows: capacity doubles, so k
+    new steps cost O(k) copies, not O(k^2)."""
+    if a.shape[0] >= n and a.shape[1:] == (inner or a.shape[1:]):
+        return a
+    shape = inner or a.shape[1:]
+    out = np.zeros((max(n, 2 * a.shape[0], 8), *shape))
+    out[: a.shape[0]] = a if a.size else 0
+    return out
+
+
 # ----------------------------------------------------------------------------- sequences
 
 
@@ -196,6 +207,7 @@ class DiagnoseStats:
     step_index: dict = field(default_factory=dict)
     step_mom: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))  # n, sum r
     step_boot: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 2)))
+    step_boot_n: int = 0  # steps with their own replicates (the first STEP_BOOT_MAX)
     kept_mass_sum: float = 0.0
     # staleness: sums of l_to, k3_to, l_oi, k3_oi (trainer-old, old-inference), n
     stale: np.ndarray = field(default_factory=lambda: np.zeros(5))
@@ -278,14 +290,13 @@ class DiagnoseStats:
             i = self.step_index.get(s)
             if i is None:
                 i = self.step_index[s] = len(self.step_index)
-                self.step_mom = np.vstack([self.step_mom, np.zeros((1, 2))])
-                if len(self.step_index) <= STEP_BOOT_MAX and self.unit == "sequence":
-                    pad = np.zeros((1, self.replicates, 2))
-                    sb = self.step_boot
-                    self.step_boot = pad if sb.size == 0 else np.concatenate([sb, pad])
+                self.step_mom = _grown(self.step_mom, i + 1)
+                if i < STEP_BOOT_MAX and self.unit == "sequence":
+                    self.step_boot = _grown(self.step_boot, i + 1, (self.replicates, 2))
+                    self.step_boot_n = i + 1
             sel = rs == s
             self.step_mom[i] += runm[sel][:, :2].sum(axis=0)
-            if i < self.step_boot.shape[0]:
+            if i < self.step_boot_n:
                 srow[sel] = i
         if jit is not None:
             sb = self.step_boot if self.step_boot.size else np.zeros((1, self.replicates, 2))
