@@ -651,8 +651,10 @@ def plot(
 
     scatter (q vs p with the IPO band and the IcePop cone), masked_fraction (every rule
     against its threshold), steps (k3 and masked fractions per step), where_masked (masked
-    fraction per inference-probability bucket) and, when the log has sequence ids,
-    masked_by_length (product vs geometric sequence rules per sequence-length bucket).
+    fraction per inference-probability bucket), when the log has sequence ids,
+    masked_by_length (product vs geometric sequence rules per sequence-length bucket) and,
+    when it has advantages, masked_direction (what each setting's mask costs the gradient:
+    corrective / divergent / neutral masked updates, the |A| mass removed, their entropy).
     """
 
     def body():
