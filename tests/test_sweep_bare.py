@@ -111,18 +111,23 @@ def test_help_says_so():
 @pytest.mark.slow
 def test_plot_and_report_sweep_a_bare_name_in_the_masked_fraction_panel():
     """plot / report -r ipo: ipo's panel over its default grid (the rows `sweep -r ipo`
-    gives), ipo drawn at its default; -r ipo:eps=0.2 draws that one setting."""
+    gives), ipo drawn at its default; -r ipo:eps=0.2 draws that one setting, its panel the
+    one row `sweep -r ipo:eps=0.2` gives (tests/test_report_sweep.py: report's sweep.csv)."""
     from mismatch_replay import analysis
     from mismatch_replay.viz import render
 
     grid = parse_grid(REGISTRY["ipo"].param("eps").grid)
-    for specs, drawn in ((["ipo"], ["ipo:eps=0.3"]), (["ipo:eps=0.2"], ["ipo:eps=0.2"])):
+    for specs, drawn, xs in (
+        (["ipo"], ["ipo:eps=0.3"], grid),
+        (["ipo:eps=0.2"], ["ipo:eps=0.2"], np.array([0.2])),
+    ):
         data = analysis.figure_data([GOLDEN], specs)
         assert [r.spec() for r in data.settings] == drawn
         ipo = data.sweep.filter(pl.col("rule") == "ipo")
-        assert ipo.sort("value").select(KEY).equals(rows("-r", "ipo").sort("value").select(KEY))
+        want = rows("-r", specs[0]).sort("value").select(KEY)
+        assert ipo.sort("value").select(KEY).equals(want)
         rules = render.panel_rules(data.settings, data.given)
         fig = render.figures(data, None, rules)["masked_fraction"]()
         lines = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "IPO eps"]
         assert len(fig.axes) >= 1 and len(lines) == 1
-        assert np.array_equal(np.asarray(lines[0].get_xdata(), float), grid)
+        assert np.array_equal(np.asarray(lines[0].get_xdata(), float), xs)

@@ -25,9 +25,12 @@ token is counted, so no Tally of the first read can hold it. Both return a `Deci
 The rules given drive every answer (`decision_rules`): choose chooses a threshold for each
 of them, compare takes the first two that mask tokens (token or sequence rules: none, or
 one, and the section says why there is no comparison), drift watches the given mask rules,
-and masked_by_length buckets the given token and sequence mask rules. Only when no rule is
-given do the defaults apply: prime-rl's IPO, IcePop [0.2, 5] and KPop chosen, IPO against
-IcePop compared, `figure_data.LENGTH_SETTINGS` by length.
+masked_by_length buckets the given token and sequence mask rules, and the sweep table
+(sweep.csv, masked_fraction.png) holds the rules given as `sweep -r` does
+(`figure_data.sweep_plan`: a bare name over its default grids, a setting one row; the
+presets table still counts every catalogue preset). Only when no rule is given do the
+defaults apply: prime-rl's IPO, IcePop [0.2, 5] and KPop chosen, IPO against IcePop
+compared, `figure_data.LENGTH_SETTINGS` by length, every rule the log supports swept.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from .figure_data import (
     default_settings,
     length_rules,
     length_table,
+    sweep_plan,
 )
 from .mask_cost import cost_table
 from .search import choice_jobs, first_jobs, job_key, tail_fraction
@@ -354,7 +358,7 @@ def report_data(
             chosen = [r.replace(precision=p) for r in chosen]
             settable = [r.replace(precision=p) for r in settable]
             lengths = [r.replace(precision=p) for r in lengths]
-        sweep_jobs, notes = engine.plan_jobs(None, None, plan.columns)
+        sweep_jobs, notes = sweep_plan(plan.columns, settings)  # the rules given, as sweep -r
         cjobs = choice_jobs(names, True)  # shaped on the 1st batch
         pair_jobs = [engine.single_job(r) for r in pair0 or ()]
         # the chosen settings at their values: the tail then keeps their masked tokens,

@@ -2,8 +2,9 @@
 
 Design
 ------
-`figure_data` makes four replays of the log: every rule swept over its default grid
-(with the scatter histograms: 200 x 200 token counts on probability and on log10-probability
+`figure_data` makes four replays of the log: the sweep (`sweep_plan`: the rules given, as
+`sweep -r` reads them, else every rule the log supports over its default grids; with the
+scatter histograms: 200 x 200 token counts on probability and on log10-probability
 axes), the chosen settings per step, the chosen settings per inference-probability
 bucket, and `LENGTH_SETTINGS` per sequence-length bucket (`length_table`: only where the
 log has sequence ids; that replay reads the log twice, its pre-pass counting each
@@ -25,6 +26,7 @@ import polars as pl
 from .. import engine, ingest
 from ..present import Presentable
 from ..rules import Rule, parse_rule
+from ..rules.spec import sweep_specs
 from . import summaries
 from .mask_cost import COST_PRESETS, cost_table
 
@@ -57,7 +59,7 @@ class FigureData(Presentable):
     hist_log: np.ndarray  # (200, 200) token counts, [log10 q bin, log10 p bin]
     edges_lin: np.ndarray  # (201,) probability bin edges
     edges_log10: np.ndarray  # (201,) log10-probability bin edges
-    sweep: pl.DataFrame  # every supported rule over its default grid (ungrouped)
+    sweep: pl.DataFrame  # the sweep (ungrouped): the rules given (`sweep_plan`), else all
     settings: list[Rule]  # the chosen settings (IPO eps, IcePop band, ...)
     steps: pl.DataFrame  # the chosen settings' sweep table by step
     step_metrics: pl.DataFrame  # mismatch metrics by step
@@ -96,6 +98,39 @@ def default_settings(columns: Sequence[str]) -> list[Rule]:
     """DEFAULT_SETTINGS minus the rules the log cannot support."""
     rules = [parse_rule(s) for s in DEFAULT_SETTINGS]
     return [r for r in rules if all(c in columns for c in r.needs)]
+
+
+def sweep_plan(
+    columns: Sequence[str],
+    settings: Sequence[str | Rule] | None = None,
+    sweeps: dict[str, str] | None = None,
+) -> tuple[list[engine.Job], list[str]]:
+    """The sweep table's jobs and notes, as `sweep -r` plans them (`rules.sweep_specs`, then
+    `engine.plan_jobs`): no settings, every rule the log supports, each threshold parameter
+    over its default grid; else the rules given alone: a bare name (`ipo`) its threshold
+    parameters over their default grids, a SPEC with values or a preset (`ipo:eps=0.3`,
+    `ipo@prime-rl`) or a Rule one row. A preset that leaves a threshold unset
+    (`token-k3@verl`, which the report's choose sets) has that threshold over its default
+    grid (the rows of `sweep -r token-k3@verl --sweep token-k3.hi=GRID`). `sweeps`: as
+    `sweep --sweep`, over the rules given together (an unset threshold must be among them)."""
+    if not settings:
+        return engine.plan_jobs(None, sweeps, columns)
+    specs = sweep_specs(settings)
+    if sweeps:
+        return engine.plan_jobs(specs, sweeps, columns)
+    jobs: list[engine.Job] = []
+    for s in specs:  # one by one: an unset threshold's grid is its own rule's alone
+        rule = parse_rule(s) if isinstance(s, str) else s
+        unset = {}
+        if isinstance(rule, Rule):
+            values = rule.values()
+            unset = {
+                f"{rule.name}.{p.name}": p.grid
+                for p in rule.params
+                if p.threshold and values.get(p.name) is None
+            }
+        jobs += engine.plan_jobs([rule], unset or None, columns)[0]
+    return jobs, []  # rules given: no rule is skipped, so no note (a lacking column raises)
 
 
 def length_rules(columns: Sequence[str], given: Sequence[Rule] | None = None) -> list[Rule]:
@@ -143,7 +178,8 @@ def figure_data(
     progress: Callable[[int, int], None] | None = None,
     precision: str | None = None,
 ) -> FigureData:
-    """Four replays of the log: full sweep + scatter, settings by step, settings by bucket,
+    """Four replays of the log: the sweep (`sweep_plan`: of the settings given, as `sweep
+    -r`) + scatter, settings by step, settings by bucket,
     `LENGTH_SETTINGS` by sequence length (`length_table`; none without sample_id, a note).
     `precision="float32"`: every rule decision in the frameworks' float32 arithmetic
     (engine.replay; the full sweep then runs on the simple path)."""
@@ -156,7 +192,7 @@ def figure_data(
     costed = cost_settings(plan.columns, chosen)
     with engine.use_precision(precision):
         # the sweep, and the settings whose mask cost the figure draws as one-value jobs
-        sweep_jobs, sweep_notes = engine.plan_jobs(None, sweeps, plan.columns)
+        sweep_jobs, sweep_notes = sweep_plan(plan.columns, settings, sweeps)
         extra = [engine.single_job(r) for r in costed if r.level != "step"]
         full = engine.replay(plan, jobs=[*sweep_jobs, *extra], progress=progress, final=True)
         full.notes = [*sweep_notes, *full.notes]

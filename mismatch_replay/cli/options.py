@@ -135,11 +135,12 @@ SettingOpt = Annotated[
         "--rule",
         "-r",
         metavar="SPEC",
-        help="Rules to draw (repeatable SPEC). A bare name (ipo) is the rule swept, as in "
-        "`sweep -r ipo`: its masked-fraction panel covers its thresholds' default grids and "
-        "its default setting is drawn; name:param=value (ipo:eps=0.3) or name@preset draws "
-        "that one setting. Default: IPO 0.3 and 0.1, IcePop [0.2, 5] and [0.5, 5], KPop "
-        "0.1, DPPO-TV 0.2 (when the log has advantages).",
+        help="Rules to draw (repeatable SPEC), read as `sweep -r` reads them: a bare name "
+        "(ipo) sweeps the rule's threshold parameters over their default grids (its "
+        "masked-fraction panel, and report's sweep.csv, hold those rows) and draws its "
+        "default setting; name:param=value (ipo:eps=0.3) or name@preset is that one "
+        "setting, one row. Default: IPO 0.3 and 0.1, IcePop [0.2, 5] and [0.5, 5], KPop "
+        "0.1, DPPO-TV 0.2 (when the log has advantages), and every rule swept.",
     ),
 ]
 

@@ -511,8 +511,9 @@ _GIVEN_CAPTIONS = {
     ),
     "masked_fraction": (
         "Fraction of tokens masked (weight rules: truncated) as a function of each rule's "
-        "threshold, the panels of the rules given (each swept over its default grid, the "
-        "other parameter at its default). Markers: the rules' presets."
+        "threshold, the panels of the rules given, the rows of sweep.csv: a rule given by "
+        "its name alone is swept over its default grids (the other parameter at its "
+        "default), one given at a setting is that one point. Markers: the rules' presets."
     ),
     "masked_by_length": (
         "Masked fraction per sequence-length bucket for the rules given that mask tokens: a "
