@@ -7,15 +7,15 @@ import json
 import math
 from pathlib import Path
 
+import brute
 import numpy as np
 import polars as pl
 import pytest
+from conftest import logs
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import brute
-from conftest import logs
 from mismatch_replay import analysis, ingest
 from mismatch_replay.analysis.runs import COLLAPSE, Run, drift_runs, parse_runs, runs_findings
 from mismatch_replay.cli import app
@@ -75,9 +75,7 @@ def test_two_runs_equal_each_runs_own_drift_and_brute_force(tmp_path_factory, a,
     a = with_rewards(a.with_columns(pl.col("sample_id").cast(pl.String)), seed)
     pa, pb = write(d / "a.parquet", a), write(d / "b.parquet", b)
     small = ingest.ReadOptions(batch_rows=5)  # sequences split across batches
-    res = drift_runs(
-        [Run("a", (pa,), small, (IPO,)), Run("b", (pb,), rules=(ICEPOP,))], [ICEPOP]
-    )
+    res = drift_runs([Run("a", (pa,), small, (IPO,)), Run("b", (pb,), rules=(ICEPOP,))], [ICEPOP])
     assert res.names == ["a", "b"] and res.rules == [ICEPOP]
     for name, path, df, own, opts in (("a", pa, a, IPO, small), ("b", pb, b, ICEPOP, None)):
         specs = list(dict.fromkeys([own, ICEPOP]))
@@ -356,3 +354,24 @@ def test_simulate_loss_masks_the_update(tmp_path):
     assert per_seq["reward"].max() == 1
     with pytest.raises(ValueError, match="a loss mask needs a token masking rule"):
         SimConfig(loss="tis").validate()
+
+
+@pytest.mark.slow
+def test_cli_plot_and_report_runs(tmp_path):
+    up = drift_log(tmp_path / "up.parquet", drift_from=12)
+    quiet = drift_log(tmp_path / "quiet.parquet", drift_from=None, seed=9)
+    runs = ["--run", f"up={up}", "--run", f"quiet={quiet}", "--run-rule", "up=ipo"]
+    r = runner.invoke(app, ["plot", *runs, "-o", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "p" / "runs.png").read_bytes()[:4] == b"\x89PNG"
+    r = runner.invoke(app, ["report", *runs, "-o", str(tmp_path / "r")])
+    assert r.exit_code == 0, r.stderr
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "What these runs say" in page and "departs from its own baseline at step 12" in page
+    assert page.count("data:image/png;base64,") == 1
+    t = pl.read_csv(tmp_path / "r" / "runs.csv")
+    assert t["run"].unique(maintain_order=True).to_list() == ["up", "quiet"]
+    r = runner.invoke(app, ["report", *runs, "-o", str(tmp_path / "r")])
+    assert r.exit_code != 0 and "exists; pass --force" in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["report", *runs, "--from-config", "x.toml"])
+    assert r.exit_code == 2 and "--run-config NAME=FILE" in " ".join(r.stderr.split())

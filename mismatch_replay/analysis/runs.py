@@ -290,9 +290,11 @@ class _Rewards:
         if "reward" not in df.columns:
             return
         if "sample_id" in df.columns:
-            part = df.select("step", "sample_id", "reward").unique(
-                ["step", "sample_id"], keep="first"
-            )
+            # a sequence's rows are mostly adjacent: keep the first row of each run of one
+            # (step, sample_id) here (a vectorised compare), deduplicate across runs at the end
+            key = [pl.col("step"), pl.col("sample_id")]
+            new = pl.any_horizontal([(k != k.shift()).fill_null(True) for k in key])
+            part = df.select("step", "sample_id", "reward").filter(new)
         else:
             self.by_token = True
             part = df.group_by("step").agg(

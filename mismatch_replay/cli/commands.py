@@ -627,7 +627,7 @@ def diagnose(
 
 @command
 def plot(
-    sources: Sources,
+    sources: SourcesOrRuns = None,
     output: OutDir = Path("mismatch-replay-plots"),
     rule: SettingOpt = None,
     image_format: Annotated[
@@ -646,6 +646,9 @@ def plot(
     force: ForceOpt = False,
     read: Reads = READ_DEFAULTS,
     log_format: Annotated[str | None, typer.Option("--log-format", hidden=True)] = None,
+    run_: RunOpt = None,
+    run_config: RunConfigOpt = None,
+    run_rule: RunRuleOpt = None,
 ) -> None:
     """The figures of a log, as PNG, SVG or PDF files.
 
@@ -670,6 +673,10 @@ def plot(
             )
         # --log-format: the old name of --format here
         opts = dataclasses.replace(read, format=fmt or log_format).options()
+        runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "plot")
+        if runs is not None:  # runs.png: the runs side by side (drift --run's figure)
+            cli_runs.plot(runs, opts, rule, output, image_format, force)
+            return
         with render.progress("plot") as cb:
             paths = run_plot(
                 sources, output, rule or None, image_format, target_fraction, force, opts, cb
@@ -683,7 +690,7 @@ def plot(
 @command
 def report(
     ctx: typer.Context,
-    sources: Sources,
+    sources: SourcesOrRuns = None,
     output: OutDir = Path("mismatch-replay-report"),
     rule: SettingOpt = None,
     target_fraction: Annotated[
@@ -744,6 +751,9 @@ def report(
             "float32 and float64 masked fractions differ by more than F.",
         ),
     ] = 0.001,
+    run_: RunOpt = None,
+    run_config: RunConfigOpt = None,
+    run_rule: RunRuleOpt = None,
 ) -> None:
     """Everything on one self-contained HTML page (index.html, figures embedded).
 
@@ -755,6 +765,15 @@ def report(
     def body():
         from ..viz.jobs import report as run_report
 
+        runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "report")
+        if runs is not None:  # the runs side by side: findings, runs.png, verdicts
+            if from_config or wandb or tensorboard is not None:
+                raise UsageError(
+                    "report --run: give each run's config as --run-config NAME=FILE; "
+                    "--from-config, --wandb and --tensorboard take one log."
+                )
+            cli_runs.report(runs, read.options(), rule, output, command_line(ctx), force)
+            return
         if wandb_artifact and not wandb:
             raise UsageError("--wandb-artifact logs to the --wandb run; give --wandb too.")
         if wandb:

@@ -54,6 +54,26 @@ def compute(runs, opts, rules, **kw):
         return drift_runs(runs, rules or None, progress=cb, **kw)
 
 
+def plot(runs, opts, rules, output, image_format: str, force: bool) -> None:
+    """plot --run: runs.<format> in the output folder."""
+    from ..viz.runs import write_runs
+
+    res = compute(runs, opts, rules)
+    say(f"{'runs':16s} {write_runs(res, output, image_format, force)}")
+
+
+def report(runs, opts, rules, output, command: str, force: bool) -> None:
+    """report --run: index.html (findings, runs.png, verdicts, the per-step table)."""
+    from ..analysis.runs import runs_findings
+    from ..viz.runs import write_runs_report
+
+    res = compute(runs, opts, rules)
+    found = runs_findings(res)
+    paths = write_runs_report(res, found, output, command, force)
+    say(f"report: {paths['index.html']}")
+    print_runs_findings(found)
+
+
 def drift(runs, opts, rules, json_: bool, **kw) -> None:
     """drift --run: the tables and verdicts (or --json, findings included)."""
     from ..analysis.runs import runs_findings
@@ -139,10 +159,17 @@ def _shared_table(res, spec: str, runs) -> Table:
     return t
 
 
+SHORT = {  # drift's verdicts, as the verdict table's narrow column says them
+    "rose with the mismatch": "rose",
+    "flat while the mismatch rose (the collapse signature)": "flat: collapse signature",
+}
+
+
 def _verdict_table(res) -> Table:
     t = Table(title="verdict per run", show_edge=False)
-    for c in ("run", "drift", "departs at", "late/early k3", "own rule", "own rule's verdict"):
-        t.add_column(escape(c), justify="left" if c in ("run", "own rule's verdict") else "right")
+    for c in ("run", "drift", "departs at", "late/early k3", "own rule", "its verdict"):
+        left = c in ("run", "own rule", "its verdict")
+        t.add_column(escape(c), justify="left" if left else "right")
     for rr in res.runs:
         v = rr.verdict
         own = v.own_rules[0] if v.own_rules else None
@@ -153,7 +180,7 @@ def _verdict_table(res) -> Table:
             "-" if v.departs_at is None else str(v.departs_at),
             f"x{fmt_num(v.late_early_k3, 3)}",
             given_spec(own) if own else "-",
-            v.rule_verdicts.get(own, "-") if own else "-",
+            SHORT.get(v.rule_verdicts.get(own, "-"), v.rule_verdicts.get(own, "-")) if own else "-",
         )
     return t
 
@@ -170,6 +197,11 @@ def print_runs(res, findings=()) -> None:
         for spec, verdict in rr.verdict.rule_verdicts.items():
             if spec in res.rules:
                 say(f"  {rr.run.name}, {given_spec(spec)}: {verdict}")
+    print_runs_findings(findings)
+
+
+def print_runs_findings(findings) -> None:
+    """ "What these runs say" on stderr, wrapped between words on a terminal."""
     if not len(findings):
         return
     import textwrap

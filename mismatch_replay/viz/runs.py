@@ -123,6 +123,7 @@ def write_runs(res, outdir, image_format: str = "png", force: bool = False, dpi:
 
     from .render import save
 
+    Path(outdir).mkdir(parents=True, exist_ok=True)
     path = Path(outdir) / f"runs.{image_format}"
     if path.exists() and not force:
         from ..errors import UsageError
@@ -133,4 +134,83 @@ def write_runs(res, outdir, image_format: str = "png", force: bool = False, dpi:
     return save(fig, path, image_format, dpi=dpi, force=force)
 
 
-__all__ = ["RUN_COLORS", "panels_of", "run_colors", "runs_figure", "write_runs"]
+def _cell(v) -> str:
+    import html
+
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def runs_page(res, findings, image: bytes, command: str = "") -> str:
+    """`report --run`'s page: what these runs say, runs.png, the verdicts, the per-step
+    table (collapsed). Self-contained: the figure is embedded as a data URI."""
+    import base64
+    import html
+
+    from .. import __version__
+
+    said = "".join(f"<li>{html.escape(f.sentence)}</li>" for f in findings)
+    v = res.verdicts
+    cols = [c for c in v.columns]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_cell(x)}</td>" for x in row) + "</tr>" for row in v.iter_rows()
+    )
+    t = res.table
+    thead = "".join(f"<th>{html.escape(c)}</th>" for c in t.columns)
+    tbody = "".join(
+        "<tr>" + "".join(f"<td>{_cell(x)}</td>" for x in row) + "</tr>" for row in t.iter_rows()
+    )
+    src = base64.b64encode(image).decode()
+    names = ", ".join(html.escape(n) for n in res.names)
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>mismatch-replay: runs {names}</title><style>"
+        "body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
+        "table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ddd;"
+        "padding:.2rem .4rem;text-align:right}img{max-width:100%}</style></head><body>"
+        f"<h1>Runs side by side: {names}</h1><h2>What these runs say</h2><ul>{said}</ul>"
+        f'<img alt="runs" src="data:image/png;base64,{src}">'
+        f"<h2>Verdict per run</h2><table><tr>{head}</tr>{body}</table>"
+        f"<details><summary>Per run and step ({t.height:,} rows)</summary>"
+        f"<table><tr>{thead}</tr>{tbody}</table></details>"
+        f"<p><small>{html.escape(command)} · mismatch-replay {__version__}</small></p>"
+        "</body></html>"
+    )
+
+
+def write_runs_report(res, findings, outdir, command: str = "", force: bool = False) -> dict:
+    """`report --run`: DIR/index.html, DIR/runs.png and DIR/runs.csv; returns the paths."""
+    from pathlib import Path
+
+    from ..errors import UsageError
+    from ..output import atomic_write
+    from .render import encode
+
+    out = Path(outdir)
+    paths = {n: out / n for n in ("index.html", "runs.png", "runs.csv")}
+    taken = [str(p) for p in paths.values() if p.exists()]
+    if taken and not force:
+        raise UsageError(f"{taken[0]} exists; pass --force to overwrite it.")
+    out.mkdir(parents=True, exist_ok=True)
+    departs = {r.run.name: r.verdict.departs_at for r in res.runs}
+    image = encode(runs_figure(res.table, departs=departs), "png")
+    page = runs_page(res, findings, image, command)
+    atomic_write(paths["runs.png"], lambda tmp: tmp.write_bytes(image), force)
+    atomic_write(paths["runs.csv"], lambda tmp: res.table.write_csv(tmp), force)
+    atomic_write(paths["index.html"], lambda tmp: tmp.write_text(page), force)
+    return paths
+
+
+__all__ = [
+    "RUN_COLORS",
+    "panels_of",
+    "run_colors",
+    "runs_figure",
+    "runs_page",
+    "write_runs",
+    "write_runs_report",
+]
