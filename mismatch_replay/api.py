@@ -579,7 +579,10 @@ def figure_data(
     sources: a log file, directory, glob or URI, or a list of them.
     settings: the rule settings drawn per step and per bucket (SPECs or `Rule`s); None:
         the two IPO defaults, the two IcePop bands, KPop and DPPO-TV the log supports.
-    sweeps: parameter -> grid for the full sweep, as in `sweep`.
+        They also decide the sweep, as `sweep -r` reads them: a bare name ("ipo") over its
+        threshold parameters' default grids, a setting ("ipo:eps=0.3", a preset, a Rule)
+        one row; None: every rule the log supports.
+    sweeps: parameter -> grid for the sweep, as in `sweep`.
     precision: "float32" or "float64" (None): the arithmetic of the rule decisions.
     options: how to read the sources (`mismatch_replay.ingest.ReadOptions`).
     progress: called as `progress(rows_read, rows_total)` after each batch.
@@ -591,7 +594,8 @@ def figure_data(
         hist_log: the same on log10-probability axes.
         edges_lin: (201,) probability bin edges.
         edges_log10: (201,) log10-probability bin edges.
-        sweep: every supported rule over its default grid (the `.table`).
+        sweep: the sweep of the settings given (see `settings`), else every supported rule
+            over its default grid (the `.table`).
         settings: the settings drawn.
         steps: the settings' sweep table by step.
         step_metrics: the mismatch metrics by step.
