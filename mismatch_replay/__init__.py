@@ -35,6 +35,7 @@ _API = {
     "choose": ("api", "choose"),
     "compare": ("api", "compare"),
     "drift": ("api", "drift"),
+    "drift_runs": ("api", "drift_runs"),
     "diagnose": ("api", "diagnose"),
     "check": ("api", "check"),
     "inspect": ("api", "inspect"),

@@ -37,6 +37,8 @@ from .analysis.diagnose import diagnose as _diagnose
 from .analysis.drift import MIN_RISE, DriftResult
 from .analysis.figure_data import FigureData
 from .analysis.inspect import Summary, inspect_log
+from .analysis.runs import Run, RunsResult
+from .analysis.runs import drift_runs as _drift_runs
 from .analysis.summaries import frame
 from .engine import SweepResult, Tally
 from .errors import UsageError
@@ -355,6 +357,79 @@ def drift(
     )
 
 
+def drift_runs(
+    runs: Mapping[str, str | Path | Sequence[str | Path]],
+    *,
+    own_rules: Mapping[str, Sequence[str]] | None = None,
+    configs: Mapping[str, str | Path | Sequence[str | Path]] | None = None,
+    rules: Sequence[str | Rule] | None = None,
+    factor: float = 3.0,
+    baseline_steps: int | None = None,
+    min_run: int = 3,
+    min_rise: float = MIN_RISE,
+    options: ReadOptions | Mapping[str, ReadOptions] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunsResult:
+    """The arms of an ablation side by side (`drift --run NAME=SOURCES ...`): each run's
+    drift against its own baseline, its per-step entropy and reward, and a verdict a run.
+
+    Parameters
+    ----------
+    runs: run name -> its sources (a log file, directory, glob or URI, or a list of them),
+        in the order the tables and the figure show them.
+    own_rules: run name -> the SPECs of its own rule (what its trainer masked with).
+    configs: run name -> its trainer config file(s), read as `--from-config` reads them: their
+        rules are the run's own too.
+    rules: SPECs (or `Rule`s) applied to every run. None, with a run that has no rule of its
+        own: drift's default IPO and IcePop settings.
+    factor: a step departs when its trimmed-mean k3 exceeds factor x its run's baseline.
+    baseline_steps: the first steps that set each run's baseline (None: 20%, at least 3).
+    min_run: consecutive departing steps that make a drift.
+    min_rise: a rule "rose" only if its masked fraction rose by at least this much.
+    options: how to read the sources: one `ReadOptions` for every run, or run name -> its own.
+    progress: called as `progress(rows_read, rows_total)` over all the runs.
+
+    Returns
+    -------
+    RunsResult:
+        runs: a `RunResult` a run: `run`, `drift` (its `DriftResult`), `entropy` and `reward`
+            (step -> mean), `reward_over` ("sequences", "tokens" or None) and `verdict` (a
+            `RunVerdict`: drift_steps, departs_at, baseline_k3, late_k3, late_early_k3,
+            late_early_k3_trimmed, own_rules, collapse, rule_verdicts).
+        rules: the SPECs applied to every run.
+        factor: as given.
+        min_run: as given.
+    `.table` is one row per run and step, `.verdicts` one row per run.
+    """
+    from .analysis.runs import parse_runs
+
+    own_rules, configs = dict(own_rules or {}), dict(configs or {})
+    per_run = options if isinstance(options, Mapping) else {}
+    unknown = sorted((set(own_rules) | set(configs) | set(per_run)) - set(runs))
+    if unknown:
+        raise UsageError(f"{unknown[0]!r} is not one of the runs ({', '.join(runs)}).")
+    built: list[Run] = []
+    for name, src in runs.items():
+        files = configs.get(name)
+        cfg = [] if files is None else [f"{name}={f}" for f in _paths(files)]
+        (run,) = parse_runs(
+            [f"{name}={p}" for p in _paths(src)],
+            cfg,
+            [f"{name}={r}" for r in own_rules.get(name, ())],
+        )
+        read = per_run.get(name) if isinstance(options, Mapping) else options
+        built.append(Run(run.name, tuple(_paths(src)), read, run.rules, run.config))
+    return _drift_runs(
+        built,
+        rules,
+        factor=factor,
+        baseline_steps=baseline_steps,
+        min_run=min_run,
+        min_rise=min_rise,
+        progress=progress,
+    )
+
+
 def diagnose(
     sources: str | Path | Sequence[str | Path],
     *,
@@ -630,6 +705,7 @@ __all__ = [
     "convert",
     "diagnose",
     "drift",
+    "drift_runs",
     "figure_data",
     "inspect",
     "replay",

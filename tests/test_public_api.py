@@ -33,6 +33,7 @@ POSITIONAL = {
     "choose": ["sources", "target_fraction"],
     "compare": ["sources", "rule_a", "rule_b"],
     "convert": ["sources", "out"],
+    "drift_runs": ["runs"],  # run name -> its sources
     "parse_rule": ["spec"],
     "TokenWriter": ["root"],
     "Param": ["name", "doc", "grid"],

@@ -767,12 +767,8 @@ def report(
 
         runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "report")
         if runs is not None:  # the runs side by side: findings, runs.png, verdicts
-            if from_config or wandb or tensorboard is not None:
-                raise UsageError(
-                    "report --run: give each run's config as --run-config NAME=FILE; "
-                    "--from-config, --wandb and --tensorboard take one log."
-                )
-            cli_runs.report(runs, read.options(), rule, output, command_line(ctx), force)
+            one_log = bool(from_config or wandb or tensorboard is not None)
+            cli_runs.report(runs, read.options(), rule, output, command_line(ctx), force, one_log)
             return
         if wandb_artifact and not wandb:
             raise UsageError("--wandb-artifact logs to the --wandb run; give --wandb too.")

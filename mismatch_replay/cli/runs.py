@@ -62,10 +62,17 @@ def plot(runs, opts, rules, output, image_format: str, force: bool) -> None:
     say(f"{'runs':16s} {write_runs(res, output, image_format, force)}")
 
 
-def report(runs, opts, rules, output, command: str, force: bool) -> None:
-    """report --run: index.html (findings, runs.png, verdicts, the per-step table)."""
+def report(runs, opts, rules, output, command: str, force: bool, one_log: bool) -> None:
+    """report --run: index.html (findings, runs.png, verdicts, the per-step table).
+    `one_log`: --from-config, --wandb or --tensorboard was given (refused: one log each)."""
     from ..analysis.runs import runs_findings
     from ..viz.runs import write_runs_report
+
+    if one_log:
+        raise UsageError(
+            "report --run: give each run's config as --run-config NAME=FILE; "
+            "--from-config, --wandb and --tensorboard take one log."
+        )
 
     res = compute(runs, opts, rules)
     found = runs_findings(res)
