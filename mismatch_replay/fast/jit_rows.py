@@ -128,20 +128,38 @@ def q_bucket_codes(lq, edges, out, first):
 def seq_cost(lp, lq, adv, ent, local, has_adv, has_ent, out):
     """What a mask costs, per sequence of a batch (engine.Sequences.add_cost's numpy):
     out[s] += (corrective tokens, divergent tokens, sum |A|, sum of the finite entropies,
-    their count) over the tokens i with local[i] == s, added in token order (np.bincount's
-    order: the same sums). Corrective: A * (lp - lq) < 0, divergent > 0 (bins.direction_class)."""
-    for i in range(local.shape[0]):
+    their count) over the tokens i with local[i] == s. A run of one sequence's tokens is
+    summed in registers starting from out[s], token by token: the additions np.bincount
+    makes, in its order (the same sums, bit for bit). Corrective: A * (lp - lq) < 0,
+    divergent > 0 (bins.direction_class)."""
+    n = local.shape[0]
+    i = 0
+    while i < n:
         s = local[i]
-        if has_adv:
-            a = adv[i]
-            d = lp[i] - lq[i]
-            if (a > 0.0 and d < 0.0) or (a < 0.0 and d > 0.0):
-                out[s, 0] += 1.0
-            elif (a > 0.0 and d > 0.0) or (a < 0.0 and d < 0.0):
-                out[s, 1] += 1.0
-            out[s, 2] += abs(a)
-        if has_ent:
-            e = ent[i]
-            if e - e == 0.0:  # finite
-                out[s, 3] += e
-                out[s, 4] += 1.0
+        r0 = out[s, 0]
+        r1 = out[s, 1]
+        r2 = out[s, 2]
+        r3 = out[s, 3]
+        r4 = out[s, 4]
+        while i < n and local[i] == s:
+            if has_adv:  # selects, not branches: the signs are random token to token
+                a = adv[i]
+                d = lp[i] - lq[i]
+                ap = 1.0 if a > 0.0 else 0.0
+                an = 1.0 if a < 0.0 else 0.0
+                dp = 1.0 if d > 0.0 else 0.0
+                dn = 1.0 if d < 0.0 else 0.0
+                r0 += ap * dn + an * dp
+                r1 += ap * dp + an * dn
+                r2 += abs(a)
+            if has_ent:
+                e = ent[i]
+                fin = e - e == 0.0  # finite
+                r3 += e if fin else 0.0
+                r4 += 1.0 if fin else 0.0
+            i += 1
+        out[s, 0] = r0
+        out[s, 1] = r1
+        out[s, 2] = r2
+        out[s, 3] = r3
+        out[s, 4] = r4
