@@ -64,11 +64,26 @@ def write(path: Path, df: pl.DataFrame) -> Path:
     return path
 
 
-@settings(max_examples=25, deadline=None)
-@given(a=logs(max_steps=4, max_seqs=3, max_len=6), b=logs(max_steps=4), seed=st.integers(0, 9))
+LOGS = {"a": logs(max_steps=4, max_seqs=3, max_len=6), "b": logs(max_steps=4)}
+
+
+@settings(max_examples=8, deadline=None)
+@given(**LOGS, seed=st.integers(0, 9))
 def test_two_runs_equal_each_runs_own_drift_and_brute_force(tmp_path_factory, a, b, seed):
     """drift_runs over two runs gives each run's own drift (the same rows as drift on that log
     alone), and its per-step k3, masked fractions and rewards are the brute force's."""
+    two_runs_property(tmp_path_factory, a, b, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None)
+@given(**LOGS, seed=st.integers(0, 9))
+def test_two_runs_property_at_length(tmp_path_factory, a, b, seed):
+    """The same property over ten times as many logs (slow)."""
+    two_runs_property(tmp_path_factory, a, b, seed)
+
+
+def two_runs_property(tmp_path_factory, a, b, seed):
     for df in (a, b):
         assume(df.filter(pl.col("loss_mask"))["step"].n_unique() >= 2)
     d = tmp_path_factory.mktemp("runs")
