@@ -111,24 +111,35 @@ def _by_step(rr) -> dict:
     return {s.step: s for s in rr.drift.steps}
 
 
-def _mismatch_table(res, runs) -> Table:
-    t = Table(title="k3 (1%-trimmed mean) and masked fraction per step; D: drift", show_edge=False)
+def _mismatch_table(res, runs, extras: bool = False) -> Table:
+    """k3 trimmed and the own rule's masked fraction a run; `extras`: entropy and reward
+    beside them (where logged), when the width allows one table."""
+    title = "k3 (1%-trimmed mean) and masked fraction per step; D: drift"
+    t = Table(title=title + ("; entropy, reward: means" if extras else ""), show_edge=False)
     t.add_column("step", justify="right")
     for rr in runs:
         own = rr.run.rules[0] if rr.run.rules else None
         t.add_column(escape(f"{rr.run.name}\nk3"), justify="right")
         head = f"{rr.run.name}\nmasked\n{spec_header(given_spec(own))}" if own else "-"
         t.add_column(escape(head), justify="right")
+        if extras and rr.entropy:
+            t.add_column(escape(f"{rr.run.name}\nentropy"), justify="right")
+        if extras and rr.reward:
+            t.add_column(escape(f"{rr.run.name}\nreward"), justify="right")
     for step in _steps(res):
         cells = [str(step)]
         for rr in runs:
             s = _by_step(rr).get(step)
+            own = rr.verdict.own_rules[0] if rr.verdict.own_rules else None
             if s is None:
                 cells += ["", ""]
-                continue
-            own = rr.verdict.own_rules[0] if rr.verdict.own_rules else None
-            cells.append(fmt_num(s.kl_k3_trimmed, 3) + (" D" if s.drift else "  "))
-            cells.append(pct(s.masked.get(own)) if own else "-")
+            else:
+                cells.append(fmt_num(s.kl_k3_trimmed, 3) + (" D" if s.drift else "  "))
+                cells.append(pct(s.masked.get(own)) if own else "-")
+            if extras and rr.entropy:
+                cells.append(fmt_num(rr.entropy.get(step), 3))
+            if extras and rr.reward:
+                cells.append(fmt_num(rr.reward.get(step), 3))
         add_row(t, *cells)
     return t
 
@@ -194,9 +205,13 @@ def _verdict_table(res) -> Table:
 
 def print_runs(res, findings=()) -> None:
     """The runs' tables on stdout, their findings on stderr."""
-    _groups(res, lambda runs: _mismatch_table(res, runs))
-    if any(rr.entropy or rr.reward for rr in res.runs):
-        _groups(res, lambda runs: _extras_table(res, runs))
+    logged = any(rr.entropy or rr.reward for rr in res.runs)
+    if logged and fit(_mismatch_table(res, res.runs, extras=True)):
+        show(_mismatch_table(res, res.runs, extras=True))  # one table when it fits
+    else:
+        _groups(res, lambda runs: _mismatch_table(res, runs))
+        if logged:
+            _groups(res, lambda runs: _extras_table(res, runs))
     for spec in res.rules:
         _groups(res, lambda runs, spec=spec: _shared_table(res, spec, runs))
     show(_verdict_table(res))
