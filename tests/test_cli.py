@@ -115,7 +115,7 @@ def test_sweep_single_setting_json_matches_golden():
 def test_sweep_reports_each_jobs_path():
     """--json carries each job's path (fused or simple, and why); --verbose prints it on
     stderr as a table and leaves stdout as it was."""
-    args = ["sweep", GOLDEN, "-r", "ipo:eps=0.3", "-r", "seq-tis", "--sweep", "eps=0.1,0.3"]
+    args = ["sweep", GOLDEN, "-r", "ipo:eps=0.3", "-r", "seq-tis:cap=2", "--sweep", "eps=0.1,0.3"]
     d = strict_json(run(*args, "--json").stdout)
     assert d["paths"] == [
         {"rule": "ipo", "param": "eps", "path": "fused", "reason": None},
@@ -345,7 +345,8 @@ def test_advantage_rule_without_advantage_column(bad):
         (["-r", "ipo:foo=1"], "no parameter 'foo'"),
         (["-r", "icepop@nowhere"], "no preset 'nowhere'"),
         (["-r", "ipo:eps=abc"], "not a number"),
-        (["-r", "token-k2"], "no default for 'hi'"),
+        # a preset that leaves hi unset (a bare token-k2 is swept over hi's grid: sweep -r NAME)
+        (["-r", "token-k2@verl"], "no default for 'hi'"),
         (["--sweep", "eps=1:2"], "bad GRID"),
         (["--sweep", "nosuch=1,2"], "no selected rule has that parameter"),
         (["--by", "colour"], "--by colour"),
