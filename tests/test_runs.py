@@ -420,3 +420,39 @@ def test_drift_runs_in_a_pty(cols, tmp_path):
         out.split()
     )
     assert ("entropy" in w) and ("reward" in w)
+
+
+def test_token_writer_rewards_and_the_verl_hook(tmp_path):
+    """TokenWriter.write(rewards=[B]) writes each sequence's reward on its tokens (sampled
+    rows too); verl_batch takes it from token_level_scores summed over the response."""
+    import torch
+    from test_capture import _batch, _DataProto, _read, _writer
+
+    from mismatch_replay.capture import hooks
+
+    lp, lq, mask, adv = _batch(0)
+    rewards = np.array([1.0, 0.0, 0.5, 2.0])
+    with _writer(tmp_path / "w") as w:
+        w.write(step=0, trainer_logprobs=lp, inference_logprobs=lq, mask=mask, rewards=rewards)
+    got = _read(tmp_path / "w")
+    assert got["reward"].to_list() == [rewards[s] for s in got["sample_id"].to_list()]
+    with _writer(tmp_path / "s", max_tokens_per_step=int(mask.sum(1)[0]) + 1, seed=1) as w:
+        w.write(step=0, trainer_logprobs=lp, inference_logprobs=lq, mask=mask, rewards=rewards)
+    got = _read(tmp_path / "s")  # rows sampled: each kept row keeps its own reward
+    assert got.height and got["reward"].to_list() == [rewards[s] for s in got["sample_id"]]
+    with _writer(tmp_path / "bad") as w:
+        with pytest.raises(ValueError, match=r"rewards: expected one value per sequence \(4\)"):
+            w.write(step=0, trainer_logprobs=lp, inference_logprobs=lq, rewards=[1.0])
+        with pytest.raises(ValueError, match="rewards: 1 of 4 are NaN or infinite"):
+            w.write(step=0, trainer_logprobs=lp, inference_logprobs=lq, rewards=[1, 2, np.nan, 0])
+    scores = torch.zeros_like(lp)
+    scores[torch.arange(4), mask.sum(1) - 1] = torch.tensor([1.0, 0.0, 1.0, 0.0])  # last token
+    batch = _DataProto(
+        {"old_log_probs": lp, "rollout_log_probs": lq, "response_mask": mask,
+         "advantages": adv[:, None] * mask, "token_level_scores": scores},
+        {},
+    )  # fmt: skip
+    with _writer(tmp_path / "verl") as w:
+        hooks.verl_batch(w, batch, step=2)
+    got = _read(tmp_path / "verl")
+    assert got["reward"].to_list() == [[1.0, 0.0, 1.0, 0.0][s] for s in got["sample_id"]]

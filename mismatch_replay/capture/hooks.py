@@ -49,7 +49,9 @@ def verl_batch(
 ) -> int:
     """verl: the `DataProto` in `RayPPOTrainer.fit` once `compute_advantage` has run
     (`batch.batch`: old_log_probs, rollout_log_probs, response_mask, advantages, all
-    [B, response_length]; `batch.non_tensor_batch[env_key]` as env when present)."""
+    [B, response_length]; `batch.non_tensor_batch[env_key]` as env when present). The
+    sequence's score, `token_level_scores` summed over its response (verl puts the reward
+    model's or the rule's score on the last response token), is its `reward`."""
     td = batch.batch
     old = _get(td, "old_log_probs")
     rollout = _get(td, "rollout_log_probs")
@@ -75,6 +77,7 @@ def verl_batch(
         mask=td["response_mask"],
         advantages=_get(td, "advantages"),
         env=None if env is None else [str(e) for e in env],
+        rewards=None if (scores := _get(td, "token_level_scores")) is None else scores.sum(-1),
     )
     if commit:
         writer.commit()

@@ -119,6 +119,8 @@ class Prepared:
         cols = [c for c in TOKEN_COLUMNS[2:] if c in self.tokens or c in self.per_row]
         if self.env is not None or "env" in self.per_row:
             cols.append("env")
+        if "reward" in self.per_row:
+            cols.append("reward")
         return tuple(cols)
 
 
@@ -270,6 +272,26 @@ def _per_row(x, rows: int, name: str) -> np.ndarray:
     if a.dtype.kind in "US" or (a.dtype == object and all(isinstance(v, str) for v in a)):
         return a.astype(str)
     raise TypeError(f"{name}: expected integers or strings, got dtype {a.dtype}")
+
+
+def add_rewards(prep: Prepared, rewards) -> Prepared:
+    """One reward per sequence (B values: a list, an array or a tensor) as the batch's
+    `reward` column, for the rows the batch keeps; finite floats only."""
+    if is_tensor(rewards):
+        rewards = rewards.detach().cpu().double().numpy()
+    a = np.asarray(rewards)
+    if a.ndim != 1 or a.shape[0] != prep.seen_rows:
+        raise ValueError(
+            f"rewards: expected one value per sequence ({prep.seen_rows}), got shape {a.shape}"
+        )
+    if a.dtype.kind not in "fiub":
+        raise TypeError(f"rewards: expected numbers, got dtype {a.dtype}")
+    a = a.astype(np.float64)
+    bad = int((~np.isfinite(a)).sum())
+    if bad:
+        raise ValueError(f"rewards: {bad} of {a.shape[0]} are NaN or infinite")
+    prep.per_row["reward"] = a if prep.row_ids is None else a[prep.row_ids]
+    return prep
 
 
 def _row_advantage(adv: Column, rows: int) -> np.ndarray | None:

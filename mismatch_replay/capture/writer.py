@@ -591,6 +591,7 @@ class TokenWriter:
         env=None,
         old_logprobs=None,
         entropy=None,
+        rewards=None,
     ) -> int:
         """Queue one batch of step `step`; returns the loss tokens queued (0 for a step that
         `every` skips).
@@ -600,7 +601,8 @@ class TokenWriter:
         mask: true (non-zero) at the loss tokens; None: every token. advantages: [B] or
         [B, T] (ragged: B values or B sequences). sample_ids: B ints or strings; default: the
         row's index (`rank * 1e9 + row`, rows of earlier calls of the step counted). env: one
-        string or B strings. old_logprobs, entropy: optional per-token columns.
+        string or B strings. old_logprobs, entropy: optional per-token columns. rewards: B
+        numbers, each sequence's reward (the `reward` column, on each of its tokens).
         Returns once the loss tokens are copied: the inputs may be reused at once."""
         self._check("write")
         step = inputs.check_step(step)
@@ -642,6 +644,8 @@ class TokenWriter:
             budget=self._budget,
             rng_seed=(self.seed, step, self.rank, self._step_calls),
         )
+        if rewards is not None:
+            prep = inputs.add_rewards(prep, rewards)
         self._check_signature(prep, sample_ids)
         n = _tokens(prep)
         self._step_rows += prep.seen_rows
@@ -908,6 +912,8 @@ class TokenWriter:
         for name in ("old_logprob", "entropy"):
             if name in p.tokens:
                 cols[name] = pa.array(inputs.to_disk(p.tokens[name]))
+        if "reward" in p.per_row:
+            cols["reward"] = pa.array(p.per_row["reward"][rows])
         return pa.table(cols)
 
     def _write_held(self) -> None:
