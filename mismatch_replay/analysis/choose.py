@@ -32,10 +32,11 @@ read at other columns, agree to a fraction of their width: tests/test_tail.py). 
 replay that holds these jobs already (the report's shared read, with its tail).
 
 The interval is the 2.5% and 97.5% quantiles, over replicates, of the value where the
-replicate's masked fraction crosses the target (`_crossings`: interpolated between the two
-columns around it, geometrically on a positive grid): how much the answer would move on
-another log of the same run. Without a target, `choose` gives the masked fraction at each
-given setting, with the interval of that fraction (one replay with `bootstrap=`).
+replicate's masked fraction crosses the target (choice.py's `crossings`: interpolated
+between the two columns around it, geometrically on a positive grid): how much the answer
+would move on another log of the same run. Without a target, `choose` gives the masked
+fraction at each given setting, with the interval of that fraction (one replay with
+`bootstrap=`).
 
 The answer is a `ChooseResult`: a sequence of `Choice` (one per rule and parameter), each
 optionally with its `curve` (exact fractions at the grid values around the choice, the
@@ -45,7 +46,7 @@ report's table); `to_dict()` is the JSON `choose --json` prints.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,7 @@ from ..gcpause import frozen
 from ..present import Presentable
 from ..rules import REGISTRY, Rule, parse_rule
 from . import summaries
+from .choice import Choice, CurvePoint, choice_row, ci_from, interval, no_boot_note
 from .choose_mass import OF, choose_mass
 from .search import (
     REFINE_POINTS,
@@ -83,50 +85,6 @@ BOOT_SIGMAS = 6.0  # with the tail: relative standard errors the columns span, e
 BOOT_MARGIN = 0.02  # ... plus this relative margin on the fraction
 BOOT_SEARCH = 64  # points between an end of the columns and the answer it is pulled in on
 CURVE_POINTS = 11  # the report's table: masked fraction at grid values around the choice
-
-
-@dataclass
-class CurvePoint:
-    """The exact masked fraction at one value near the choice."""
-
-    value: float
-    masked_tokens: int
-    masked_fraction: float
-    chosen: bool
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass
-class Choice:
-    """choose's answer for one rule and threshold parameter (or one setting, no target)."""
-
-    rule: str
-    setting: str  # the rule's other parameters, as in the sweep table
-    param: str
-    value: float
-    masked_fraction: float
-    target_fraction: float | None
-    ci_low: float | None  # 95% bootstrap interval (of the value; of the fraction without target)
-    ci_high: float | None
-    kind: str  # "mask" or "weight"
-    status: str  # ok | ties | out of range | not converged
-    note: str
-    tokens: int
-    masked_tokens: int
-    passes: int  # passes over the log the answer took
-    spec: str  # the rule at the chosen value
-    curve: list[CurvePoint] | None = None  # with curve=True
-    # what the target is a share of: "tokens", or "adv-mass" (choose_mass.py: sum |A|)
-    of: str = "tokens"
-    masked_adv_mass_fraction: float | None = None  # with of="adv-mass": at the value
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "curve"}
-        if self.curve is not None:
-            d["curve"] = [p.to_dict() for p in self.curve]
-        return d
 
 
 @dataclass
@@ -247,7 +205,7 @@ def choose(
             values, hits, tokens = readout.job_counts(tally, ji)
             frac = hits[0] / tokens
             lo, hi, note = _ci_fraction(tally, ji)
-            rows.append(_choice(job, values[0], frac, None, lo, hi, "ok", note, tokens, 1))
+            rows.append(choice_row(job, values[0], frac, None, lo, hi, "ok", note, tokens, 1))
         return ChooseResult(None, rows)
     target = target_fraction
     # 1. the default grids, denser near the target (search.first_jobs), keeping the tail
@@ -393,11 +351,11 @@ def _rows(searches, target, tol, bootstrap, boot: dict) -> list[Choice]:
         if bootstrap and status != "out of range":
             got = boot.get(i)
             if got is None or got[1] is None:
-                boot_note = _no_boot_note(s.job)
+                boot_note = no_boot_note(s.job)
             else:
-                lo, hi, boot_note = _ci_from(got[0], got[1], got[2], target)
+                lo, hi, boot_note = ci_from(got[0], got[1], got[2], target)
             note = "; ".join(x for x in (note, boot_note) if x)
-        rows.append(_choice(s.job, best, frac, target, lo, hi, status, note, s.tokens, s.passes))
+        rows.append(choice_row(s.job, best, frac, target, lo, hi, status, note, s.tokens, s.passes))
     return rows
 
 
@@ -443,48 +401,6 @@ def _pull_in(s: Search, tc: TailCounts, end: float, best: float, f: float, loose
     return float(job.values[i])
 
 
-def _no_boot_note(job: engine.Job) -> str:
-    if job.rule.level == "step":
-        return "m2po is batch-adaptive per step: no bootstrap"
-    return "no bootstrap"
-
-
-def _crossings(job: engine.Job, f: np.ndarray, target: float) -> np.ndarray:
-    """Per replicate (rows of f, (B, K) masked fractions at job.values), the value where the
-    fraction crosses `target`: between the two grid values around it, interpolated
-    (geometrically on a positive grid), so that the interval is not limited to the grid's
-    resolution; the grid's end where it does not cross."""
-    v = job.values[job.order]  # threshold ascending: the fraction does not increase
-    ft = f[:, job.order]
-    k = (ft > target).sum(axis=1)  # grid points still above the target
-    inner = (k > 0) & (k < v.size)
-    out = np.where(k == 0, v[0], v[-1]).astype(float)
-    r = np.flatnonzero(inner)
-    a, b = k[r] - 1, k[r]
-    fa, fb = ft[r, a], ft[r, b]
-    w = np.where(fa > fb, (fa - target) / np.where(fa > fb, fa - fb, 1.0), 1.0)
-    va, vb = v[a], v[b]
-    geo = (va > 0) & (vb > 0)
-    lin = va + w * (vb - va)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        log = np.exp(np.log(np.where(geo, va, 1.0)) * (1 - w) + np.log(np.where(geo, vb, 1.0)) * w)
-    out[r] = np.where(geo, log, lin)
-    return out
-
-
-def _ci_from(job, reps, tokens, target, level: float = 0.95):
-    """Interval of the value where the replicate masked fraction crosses the target."""
-    ok = tokens > 0
-    if ok.sum() < 2:
-        return None, None, "too few units to resample"
-    f = reps[ok] / tokens[ok, None]
-    lo, hi = _interval(_crossings(job, f, target), level)
-    note = ""
-    if lo <= job.values[0] or hi >= job.values[-1]:
-        note = "bootstrap interval reaches the searched range's edge"
-    return lo, hi, note
-
-
 def _curve(s: Search, best: float, n: int = CURVE_POINTS) -> list[CurvePoint]:
     """Exact masked fractions around the chosen value, in masking order: the chosen value,
     the default grid's two values on each side, and between the chosen value and its two
@@ -518,39 +434,13 @@ def _curve(s: Search, best: float, n: int = CURVE_POINTS) -> list[CurvePoint]:
     ]
 
 
-def _choice(job, value, frac, target, lo, hi, status, note, tokens, passes) -> Choice:
-    rule = job.rule
-    return Choice(
-        rule=rule.name,
-        setting=rule.setting(job.param),
-        param=job.param,
-        value=float(value),
-        masked_fraction=float(frac),
-        target_fraction=target,
-        ci_low=lo,
-        ci_high=hi,
-        kind=rule.kind,
-        status=status,
-        note=note,
-        tokens=tokens,
-        masked_tokens=round(frac * tokens),
-        passes=passes,
-        spec=rule.replace(**{job.param: float(value)}).spec(),
-    )
-
-
-def _interval(x: np.ndarray, level: float) -> tuple[float, float]:
-    q = (1 - level) / 2
-    return float(np.quantile(x, q)), float(np.quantile(x, 1 - q))
-
-
 def _ci_fraction(tally, ji, level: float = 0.95):
     """Interval of the masked fraction at a single setting (over replicates with tokens)."""
     res = readout.boot_counts(tally, ji)
     if res is None:
-        return None, None, _no_boot_note(tally.jobs[ji])
+        return None, None, no_boot_note(tally.jobs[ji])
     counts, tokens = res
     ok = tokens > 0
     if ok.sum() < 2:
         return None, None, "too few units to resample"
-    return (*_interval((counts[ok] / tokens[ok, None])[:, 0], level), "")
+    return (*interval((counts[ok] / tokens[ok, None])[:, 0], level), "")

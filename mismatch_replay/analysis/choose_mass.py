@@ -15,9 +15,9 @@ after round, until within `tol` (relative) of the target or a tie, at most `max_
 The interval: one more replay with Poisson(1) replicates over sequences (or steps) whose
 counts sum |A| instead of counting tokens (`bootstrap=(B, unit, seed, "adv")`,
 `Tally.boot_weight`), on BOOT_COLUMNS values around the answer (where the fraction is
-the target times BOOT_FACTOR .. divided by it), read as choose reads its replicates (`_ci_from`: the
-2.5% and 97.5% quantiles of each replicate's crossing). m2po (batch-adaptive per step, its
-rows carry no |A| sums) is refused.
+the target times BOOT_FACTOR .. divided by it), read as choose reads its replicates
+(choice.py's `ci_from`: the 2.5% and 97.5% quantiles of each replicate's crossing). m2po
+(batch-adaptive per step, its rows carry no |A| sums) is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .. import engine
 from ..engine import readout
 from ..engine.bins import suffix
 from ..errors import DataError, UsageError
+from .choice import choice_row, ci_from, no_boot_note
 from .search import REFINE_POINTS, Search, choice_jobs, grid_between
 
 OF = ("tokens", "adv-mass")
@@ -51,8 +52,6 @@ def mass_counts(tally: engine.Tally, ji: int) -> tuple[np.ndarray, np.ndarray, f
 
 def choose_mass(plan, chosen, target, bootstrap, unit, seed, tol, max_passes, progress):
     """The Choices for `--of adv-mass` (the module docstring), in rule order."""
-    from .choose import _choice, _ci_from, _no_boot_note
-
     if "advantage" not in plan.columns:
         raise DataError(
             f"{plan.files[0]}: --of adv-mass aims at a share of the advantage mass, and the "
@@ -109,11 +108,11 @@ def choose_mass(plan, chosen, target, bootstrap, unit, seed, tol, max_passes, pr
         if bootstrap and status != "out of range":
             got = boot.get(i)
             if got is None:
-                extra = _no_boot_note(s.job)
+                extra = no_boot_note(s.job)
             else:
-                lo, hi, extra = _ci_from(got[0], got[1], got[2], target)
+                lo, hi, extra = ci_from(got[0], got[1], got[2], target)
             note = "; ".join(x for x in (note, extra) if x)
-        row = _choice(s.job, best, frac, target, lo, hi, status, note, tokens, s.passes)
+        row = choice_row(s.job, best, frac, target, lo, hi, status, note, tokens, s.passes)
         row.masked_tokens = int(masked[i][float(best)])
         row.masked_fraction = row.masked_tokens / tokens if tokens else float("nan")
         row.of = "adv-mass"
