@@ -35,6 +35,7 @@ from mismatch_replay.capture import (
     rank_marker,
     step_dir,
 )
+from mismatch_replay.capture import commit as commit_mod
 from mismatch_replay.capture import writer as writer_mod
 from mismatch_replay.errors import DataError
 
@@ -145,7 +146,7 @@ def test_two_ranks_that_publish_at_the_same_moment_both_succeed(tmp_path, monkey
     links it: one links, the other finds it there (same run) and is done."""
     both_see = threading.Barrier(2, timeout=10)
     both_wrote = threading.Barrier(2, timeout=10)
-    all_committed, write_temp = TokenWriter._all_committed, writer_mod._write_temp
+    all_committed, write_temp = TokenWriter._all_committed, commit_mod.write_temp
 
     def see(self, step, mine):
         both_see.wait()  # both markers are written
@@ -157,7 +158,7 @@ def test_two_ranks_that_publish_at_the_same_moment_both_succeed(tmp_path, monkey
             both_wrote.wait()
 
     monkeypatch.setattr(TokenWriter, "_all_committed", see)
-    monkeypatch.setattr(writer_mod, "_write_temp", wrote)
+    monkeypatch.setattr(commit_mod, "write_temp", wrote)
     ws = [TokenWriter(tmp_path, rank=r, world_size=2, run_id="x", fsync=False) for r in (0, 1)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

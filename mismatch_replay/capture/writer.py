@@ -13,35 +13,16 @@ step that a reader would take for a whole one. So the writer splits the work in 
   the step's file. numpy and pyarrow release the GIL while they work, so on 2 cores the
   training loop keeps its core while the thread encodes (zstd; ~40 ms per 1M tokens).
 
-**Atomic commit, per step and rank.** Rows of step N go to `step=N/.rank=R.parquet.tmp` (a
-dot name, which every reader skips); when the loop moves on to another step (or on `commit()`,
-`flush()`, `close()`), the file is closed, fsync'ed and renamed to `step=N/rank=R.parquet`, and
-the rank's marker `step=N/_SUCCESS.rank=R` is written (JSON: run id, world size, step, counts).
-The rank that then finds every rank's marker of *this run* (`world_size` of them, each with
-this run's id and world size) publishes `step=N/_SUCCESS` (run id, world size, step). Several
-ranks may find them at once (ranks in lockstep commit together): each writes its own
-temporary (`._SUCCESS.<host>-<pid>-<rank>.tmp`) and hard-links it to `_SUCCESS`; "already
-there, same run" counts as done, so publishing is idempotent and never fails a rank (a
-filesystem without hard links gets an atomic rename of the rank's own temporary). A rename
-is atomic, so a reader sees either no file or a whole one; the readers (`ingest.sources`)
-read a step directory only once it holds `_SUCCESS`, and then only the rank files that
-`_SUCCESS`'s run committed (ranks below its world size whose markers carry its run id): the
-files of an earlier run in the same directory (a larger world size, a resume) are left out
-with a note. Several write() calls for one step (micro-batches, TRL's generation batches)
-append to the same file; a step already committed by this writer cannot be written again
-(ValueError). A step rewritten by a later run (a resume) first loses its `_SUCCESS` and this
-rank's marker, then is committed again once every rank of the new run has committed it: an
-old marker of another rank never completes it.
-
-**Run id.** All ranks of one run must record the same id, and a rerun a new one, without
-talking to each other: `run_id=` (pass one value on every rank, e.g. the job id and its
-restart count), else the environment variable MISMATCH_REPLAY_RUN_ID, else torchrun's
-`TORCHELASTIC_RUN_ID` with `TORCHELASTIC_RESTART_COUNT` (a fresh uuid per single-node launch,
-the `--rdzv-id` of a multi-node one; its default "none" is not taken), else for one rank a
-fresh uuid. Several ranks with none of these get no run id, and a warning: the world size
-still tells runs apart, a rerun with the same one does not. (A rendezvous through the
-directory, rank 0 writing the id for the others to read, cannot tell a fresh file from the
-last run's without an id shared beforehand, so it is not attempted.)
+**Atomic commit, per step and rank; the run id.** Rows of step N go to a dot-named
+temporary (`step=N/.rank=R.parquet.tmp`, which every reader skips); when the loop moves on
+to another step (or on `commit()`, `flush()`, `close()`) it is fsync'ed and renamed to
+`step=N/rank=R.parquet`, the rank's marker `step=N/_SUCCESS.rank=R` is written, and the rank
+that then finds every rank's marker of this run publishes `step=N/_SUCCESS`, which the
+readers wait for. All ranks of one run record the same run id (`run_id=`, else
+MISMATCH_REPLAY_RUN_ID, else torchrun's). The protocol on disk (paths, markers, the
+idempotent publish, the run id, the lock file's contents) is in commit.py, with its design.
+Several write() calls for one step (micro-batches, TRL's generation batches) append to
+the same file; a step already committed by this writer cannot be written again (ValueError).
 
 **One writer per rank.** `root/.rank=R.lock` is held with `flock` for the writer's life (the
 kernel drops it when the process dies, however it dies) and holds the writer's pid and host.
@@ -100,12 +81,9 @@ import json
 import logging
 import os
 import queue
-import re
-import socket
 import sys
 import threading
 import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -118,6 +96,23 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..ingest import COMMIT_MARKER
 from . import inputs
+from .commit import HOST as _HOST
+from .commit import (
+    RUN_ID_ENV,
+    RUN_ID_PATTERN,
+    default_run_id,
+    fsync_dir,
+    fsync_file,
+    lock_file,
+    lock_holder,
+    pid_alive,
+    publish,
+    rank_file,
+    rank_marker,
+    read_json,
+    step_dir,
+    write_marker,
+)
 from .inputs import SAMPLE_ID_STRIDE, Prepared
 
 try:
@@ -130,8 +125,6 @@ log = logging.getLogger(__name__)
 META_KEY = "mismatch_replay.capture"
 STEP_META_KEY = "mismatch_replay.capture.step"
 TRAINER_LOGPROB_KINDS = ("current", "old", "proximal")
-RUN_ID_ENV = "MISMATCH_REPLAY_RUN_ID"
-RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 # framework name in meta -> its distribution name, for the version lookup
 FRAMEWORK_PACKAGES = {
     "verl": "verl",
@@ -143,7 +136,6 @@ FRAMEWORK_PACKAGES = {
 }
 ROW_GROUP_ROWS = 1 << 20
 WARN_EACH = 5  # failed steps warned one by one; the rest are counted (close() says how many)
-_HOST = socket.gethostname()
 
 
 class CaptureError(RuntimeError):
@@ -160,22 +152,6 @@ class CaptureWarning(RuntimeWarning):
     writer's setup is fragile (no run id with several ranks)."""
 
 
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step={step}"
-
-
-def rank_file(root: str | Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"rank={rank}.parquet"
-
-
-def rank_marker(root: str | Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"{COMMIT_MARKER}.rank={rank}"
-
-
-def lock_file(root: str | Path, rank: int) -> Path:
-    return Path(root) / f".rank={rank}.lock"
-
-
 def read_meta(path: str | Path) -> dict:
     """The capture metadata of a file written by TokenWriter (with the step's counts under
     "step_counts"); {} for other Parquet files."""
@@ -184,19 +160,6 @@ def read_meta(path: str | Path) -> dict:
     if STEP_META_KEY.encode() in kv:
         out["step_counts"] = json.loads(kv[STEP_META_KEY.encode()])
     return out
-
-
-def default_run_id(world_size: int) -> str | None:
-    """The run id when none is given (see "Run id" in the module docstring)."""
-    env = os.environ
-    if env.get(RUN_ID_ENV):
-        return env[RUN_ID_ENV]
-    elastic = env.get("TORCHELASTIC_RUN_ID", "")
-    if elastic and elastic.lower() != "none":
-        return f"torchelastic-{elastic}-r{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if world_size == 1:
-        return uuid.uuid4().hex
-    return None
 
 
 def _framework_version(name: str | None) -> str | None:
@@ -208,99 +171,6 @@ def _framework_version(name: str | None) -> str | None:
         return metadata.version(FRAMEWORK_PACKAGES.get(name.lower(), name))
     except metadata.PackageNotFoundError:
         return None
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # some filesystems cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path) -> dict | None:
-    """A marker's JSON, None when it is missing or not a JSON object (an empty `_SUCCESS`)."""
-    try:
-        with open(path, "rb") as f:
-            out = json.loads(f.read() or b"null")
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None
-
-
-def _temp_twin(path: Path, tag: str) -> Path:
-    """A temporary beside `path` that no other rank or process uses: a dot name (readers skip
-    it), with the host, pid and `tag`."""
-    return path.with_name(f".{path.name}.{_HOST}-{os.getpid()}-{tag}.tmp")
-
-
-def _write_temp(tmp: Path, payload: dict, fsync: bool) -> None:
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-
-
-def _write_marker(path: Path, payload: dict, fsync: bool, tag: str) -> None:
-    """A marker that one writer owns (its rank's), replaced atomically."""
-    tmp = _temp_twin(path, tag)
-    try:
-        _write_temp(tmp, payload, fsync)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-_NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
-
-
-def _publish(path: Path, payload: dict, fsync: bool, tag: str) -> None:
-    """A marker that several ranks may publish at once (the step's `_SUCCESS`): each links its
-    own temporary to it; one already there for the same run counts as published."""
-    tmp = _temp_twin(path, tag)
-    _write_temp(tmp, payload, fsync)
-    try:
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            have = read_json(path) or {}
-            if any(have.get(k) != payload[k] for k in ("run_id", "world_size", "step")):
-                os.replace(tmp, path)  # an earlier run's marker that survived: this run's wins
-        except OSError as exc:
-            if exc.errno not in _NO_LINK:
-                raise
-            os.replace(tmp, path)  # no hard links here: the rank's own temporary, renamed
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True
 
 
 def _last_uncaught() -> BaseException | None:
@@ -496,7 +366,7 @@ class TokenWriter:
             return
         try:
             held = self._flock(fd)
-            prev = _lock_holder(fd)
+            prev = lock_holder(fd)
             if held is None:  # flock is not supported here: the pid in the file decides
                 pid, host = prev.get("pid"), prev.get("host")
                 if pid is None:
@@ -504,7 +374,7 @@ class TokenWriter:
                 elif host != _HOST:
                     held = True  # cannot check another host's pid: taken over, with a note
                 else:
-                    held = pid != self._pid and not _pid_alive(int(pid))
+                    held = pid != self._pid and not pid_alive(int(pid))
             if not held:
                 raise RankInUseError(self._in_use(path, prev))
             if prev.get("pid") is not None:
@@ -955,23 +825,23 @@ class TokenWriter:
         self._file = None
         final = rank_file(self.root, step, self.rank)
         if self.fsync:
-            _fsync_file(self._tmp)
+            fsync_file(self._tmp)
         os.replace(self._tmp, final)
         self._file_step = None
         if self.fsync:
-            _fsync_dir(d)
+            fsync_dir(d)
         mine = {"run_id": self.run_id, "world_size": self.world_size, "step": step}
         tag = f"rank{self.rank}"
-        _write_marker(
+        write_marker(
             rank_marker(self.root, step, self.rank),
             {**mine, "rank": self.rank, **self._counts},
             self.fsync,
             tag,
         )
         if self._all_committed(step, mine):
-            _publish(d / COMMIT_MARKER, mine, self.fsync, tag)
+            publish(d / COMMIT_MARKER, mine, self.fsync, tag)
         if self.fsync:
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def _all_committed(self, step: int, mine: dict) -> bool:
         """Every rank's marker of this step is there, from this run (run id, world size)."""
@@ -995,16 +865,6 @@ class TokenWriter:
         if step is not None:
             with contextlib.suppress(OSError):
                 self._tmp.unlink(missing_ok=True)
-
-
-def _lock_holder(fd: int) -> dict:
-    """What a lock file says of its writer ({} when empty: released cleanly)."""
-    try:
-        raw = os.pread(fd, 4096, 0)
-        out = json.loads(raw) if raw.strip() else {}
-    except (OSError, ValueError):
-        return {}
-    return out if isinstance(out, dict) else {}
 
 
 def _tokens(p: Prepared) -> int:
