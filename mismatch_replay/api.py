@@ -656,7 +656,8 @@ def figure_data(
         the two IPO defaults, the two IcePop bands, KPop and DPPO-TV the log supports.
         They also decide the sweep, as `sweep -r` reads them: a bare name ("ipo") over its
         threshold parameters' default grids, a setting ("ipo:eps=0.3", a preset, a Rule)
-        one row; None: every rule the log supports.
+        one row; None: every rule the log supports. masked_fraction.png draws a setting
+        on its curves (`curves`).
     sweeps: parameter -> grid for the sweep, as in `sweep`.
     precision: "float32" or "float64" (None): the arithmetic of the rule decisions.
     options: how to read the sources (`mismatch_replay.ingest.ReadOptions`).
@@ -686,6 +687,11 @@ def figure_data(
             ipo@prime-rl, ipo@prime-rl-legacy, icepop@prime-rl, dppo-tv@prime-rl,
             kpop@prime-rl: their sweep rows' masked_corrective, ..., masked_entropy_mean),
             masked_direction.png's data; None without an advantage column.
+        curves: masked_fraction.png's own table where settings are given (None: the
+            figure draws `sweep`): each given setting's threshold curves over the default
+            grid with its other parameters at its values, its value a grid point (columns
+            `given`: the line is a setting's; `mark`: the settings' labels at that row);
+            counted in the same read as the sweep.
     """
     return analysis.figure_data(
         _paths(sources),

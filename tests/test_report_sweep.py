@@ -130,14 +130,19 @@ def test_sweep_plan_plans_as_sweep_r():
 
 
 def test_plot_data_follows_the_rules_given():
-    """plot's figure data: the sweep of the rules given; masked_fraction draws a setting as
-    its one point and a bare name as its curve."""
+    """plot's figure data: the sweep of the rules given; masked_fraction draws a setting
+    marked on its curve (the default grid and 0.3: FigureData.curves, issue 36 §10,
+    tests/test_figure_curves.py) and a bare name as its curve."""
     one = analysis.figure_data([GOLDEN], ["ipo:eps=0.3"])
     assert_tables_equal(one.sweep, sweep_rows("-r", "ipo:eps=0.3"), rel=REL)
     fig = render.figures(one, None, render.panel_rules(one.settings, one.given))
     lines = [ln for ax in fig["masked_fraction"]().axes for ln in ax.get_lines()]
     ipo = [ln for ln in lines if ln.get_gid() == "sweep|ipo||eps"]
-    assert len(ipo) == 1 and list(ipo[0].get_xdata()) == [0.3]
+    grid = parse_grid(REGISTRY["ipo"].param("eps").grid)
+    assert len(ipo) == 1 and 0.3 in list(ipo[0].get_xdata())
+    assert len(ipo[0].get_xdata()) == len(grid) + (0 if np.isclose(grid, 0.3).any() else 1)
+    mark = [ln for ln in lines if ln.get_gid() == "given|ipo||eps|0.3|ipo:eps=0.3"]
+    assert len(mark) == 1 and list(mark[0].get_xdata()) == [0.3]
 
 
 def test_help_says_so():

@@ -111,15 +111,16 @@ def test_help_says_so():
 @pytest.mark.slow
 def test_plot_and_report_sweep_a_bare_name_in_the_masked_fraction_panel():
     """plot / report -r ipo: ipo's panel over its default grid (the rows `sweep -r ipo`
-    gives), ipo drawn at its default; -r ipo:eps=0.2 draws that one setting, its panel the
-    one row `sweep -r ipo:eps=0.2` gives (tests/test_report_sweep.py: report's sweep.csv)."""
+    gives), ipo drawn at its default; -r ipo:eps=0.2: the sweep the one row `sweep -r
+    ipo:eps=0.2` gives (tests/test_report_sweep.py: report's sweep.csv), the panel that
+    setting marked on its curve, the default grid and 0.2 (tests/test_figure_curves.py)."""
     from mismatch_replay import analysis
     from mismatch_replay.viz import render
 
     grid = parse_grid(REGISTRY["ipo"].param("eps").grid)
     for specs, drawn, xs in (
         (["ipo"], ["ipo:eps=0.3"], grid),
-        (["ipo:eps=0.2"], ["ipo:eps=0.2"], np.array([0.2])),
+        (["ipo:eps=0.2"], ["ipo:eps=0.2"], np.unique(np.append(grid, 0.2))),
     ):
         data = analysis.figure_data([GOLDEN], specs)
         assert [r.spec() for r in data.settings] == drawn

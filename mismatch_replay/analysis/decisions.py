@@ -26,11 +26,13 @@ The rules given drive every answer (`decision_rules`): choose chooses a threshol
 of them, compare takes the first two that mask tokens (token or sequence rules: none, or
 one, and the section says why there is no comparison), drift watches the given mask rules,
 masked_by_length buckets the given token and sequence mask rules, and the sweep table
-(sweep.csv, masked_fraction.png) holds the rules given as `sweep -r` does
-(`figure_data.sweep_plan`: a bare name over its default grids, a setting one row; the
-presets table still counts every catalogue preset). Only when no rule is given do the
-defaults apply: prime-rl's IPO, IcePop [0.2, 5] and KPop chosen, IPO against IcePop
-compared, `figure_data.LENGTH_SETTINGS` by length, every rule the log supports swept.
+(sweep.csv) holds the rules given as `sweep -r` does (`figure_data.sweep_plan`: a bare
+name over its default grids, a setting one row; the presets table still counts every
+catalogue preset), and masked_fraction.png draws each setting on its curves
+(`figure_data.curve_plan`: its jobs last in the same read, FigureData.curves). Only when
+no rule is given do the defaults apply: prime-rl's IPO, IcePop [0.2, 5] and KPop chosen,
+IPO against IcePop compared, `figure_data.LENGTH_SETTINGS` by length, every rule the log
+supports swept.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from .figure_data import (
     NO_LENGTH_NOTE,
     FigureData,
     cost_settings,
+    curve_plan,
+    curve_table,
     default_settings,
     length_rules,
     length_table,
@@ -336,9 +340,10 @@ def report_data(
     checks of the same batches (into `summary["summary"]` when a dict is given). The
     by-length table is its own replay, with each sequence's length from the first read
     (none without sample_id). A tail that does not settle something (the simple path, a
-    float32 replay) costs the pass it replaces. `on_sweep(table)` is called with the sweep
-    table (FigureData.sweep, the same object) as soon as the read has made it (the report
-    starts drawing masked_fraction then, in another process)."""
+    float32 replay) costs the pass it replaces. `on_sweep(table, curves)` is called with the
+    sweep table and masked_fraction's own (FigureData.sweep and .curves, the same objects:
+    `figure_data.curve_table`, None where no rule is given) as soon as the read has made
+    them (the report starts drawing masked_fraction then, in another process)."""
     from .inspect import Checks, summarize
 
     plan = ingest.plan_sources(sources, options)
@@ -359,6 +364,10 @@ def report_data(
             settable = [r.replace(precision=p) for r in settable]
             lengths = [r.replace(precision=p) for r in lengths]
         sweep_jobs, notes = sweep_plan(plan.columns, settings)  # the rules given, as sweep -r
+        # masked_fraction's own lines (the rules given at a setting: their curves), read
+        # in the same pass after every other job
+        curves = curve_plan(plan.columns, settings, sweep_jobs, chosen if given else None)
+        curve_jobs = curves.jobs if curves is not None else []
         cjobs = choice_jobs(names, True)  # shaped on the 1st batch
         pair_jobs = [engine.single_job(r) for r in pair0 or ()]
         # the chosen settings at their values: the tail then keeps their masked tokens,
@@ -373,6 +382,7 @@ def report_data(
             cjobs = engine.with_precision(cjobs, p)
             pair_jobs = engine.with_precision(pair_jobs, p)
             set_jobs = engine.with_precision(set_jobs, p)
+            curve_jobs = engine.with_precision(curve_jobs, p)
         have = {job_key(j) for j in sweep_jobs}
         extra = []
         for j in [*pair_jobs, *set_jobs]:
@@ -383,7 +393,7 @@ def report_data(
 
         def shape(sample):  # choose's first grids, placed when the first batch comes
             first = first_jobs(cjobs, target_fraction, sample)
-            return [*sweep_jobs, *first, *extra]
+            return [*sweep_jobs, *first, *extra, *curve_jobs]
 
         watched = drift_rules(plan.columns) if watched0 is None else watched0
         if p is not None:
@@ -400,7 +410,11 @@ def report_data(
         full, by_step, *by_bucket = engine.replay_together(
             plan,
             [
-                {"jobs": [*sweep_jobs, *cjobs, *extra], "tail": tail, "shape": shape},
+                {
+                    "jobs": [*sweep_jobs, *cjobs, *extra, *curve_jobs],
+                    "tail": tail,
+                    "shape": shape,
+                },
                 step_part,
                 *([] if from_tail else [bucket_part]),
             ],
@@ -413,10 +427,11 @@ def report_data(
         table = res.table
         presets = _preset_fractions(table)
         mask_cost = cost_table(table, cost_settings(plan.columns, settable))  # one-value rows
+        figure_table = curve_table(table, full.jobs, curves)  # the figure's own jobs: last
         if len(full.jobs) > n0:  # in job order: the sweep's jobs first, then choose's and the rest
             table = table.head(sum(len(j.values) for j in full.jobs[:n0]))
         if on_sweep is not None:
-            on_sweep(table)
+            on_sweep(table, figure_table)
         choices = choose(
             plan.files,
             target_fraction,
@@ -495,6 +510,7 @@ def report_data(
         given=bool(given),
         presets=presets,
         mask_cost=mask_cost,
+        curves=figure_table,
     )
     names_ = None if pair is None else (pair[0].spec(), pair[1].spec())
     dec = Decisions(

@@ -12,10 +12,21 @@ sequence's loss tokens). The settings default to `DEFAULT_SETTINGS` (the two IPO
 the two IcePop bands, KPop, DPPO-TV) minus those the log cannot support. `FigureData` is
 what viz draws and what the report's tables read; `decisions.report_data` builds the same
 record sharing its passes with the Decision section.
+
+masked_fraction.png does not follow the sweep where a rule is given at a setting: one row
+(`ipo@prime-rl`: eps 0.3) is a dot on an empty axis that tells a reader nothing. Its own
+table (`FigureData.curves`: `curve_plan`, `curve_table`) holds each given setting's
+threshold parameters over their default grids with its other parameters at its values
+(121 values a parameter, the setting's own value added so that its marker is an exact
+count), read as more jobs of the sweep's pass; a bare name or an unset threshold is its
+sweep rows as they are, and where only those are given (or none) the figure draws the
+sweep. Two settings on one line share it (the first one's arithmetic and precision).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +35,10 @@ import numpy as np
 import polars as pl
 
 from .. import engine, ingest
+from ..errors import DataError
 from ..present import Presentable
-from ..rules import Rule, parse_rule
-from ..rules.spec import sweep_specs
+from ..rules import Rule, parse_grid, parse_rule
+from ..rules.spec import is_bare, sweep_specs
 from . import summaries
 from .mask_cost import COST_PRESETS, cost_table
 
@@ -76,6 +88,10 @@ class FigureData(Presentable):
     # what each setting's mask costs (analysis/mask_cost.py: the chosen settings and
     # COST_PRESETS, one row each; None: the log has no advantage column)
     mask_cost: pl.DataFrame | None = None
+    # masked_fraction.png's own table where rules are given (`curve_table`: each given
+    # setting's curves over the default grid, its point marked); None: the figure draws
+    # `sweep`
+    curves: pl.DataFrame | None = None
 
     @property
     def table(self) -> pl.DataFrame:
@@ -83,7 +99,7 @@ class FigureData(Presentable):
 
     def to_dict(self) -> dict:
         """The tables as rows and the scalars (the histograms as nested lists)."""
-        frames = ("sweep", "steps", "step_metrics", "buckets", "by_length", "mask_cost")
+        frames = ("sweep", "steps", "step_metrics", "buckets", "by_length", "mask_cost", "curves")
         d = {k: None if getattr(self, k) is None else getattr(self, k).to_dicts() for k in frames}
         d.update(metrics=dict(self.metrics), tokens=self.tokens, sources=list(self.sources))
         d.update(settings=[r.spec() for r in self.settings], notes=list(self.notes))
@@ -133,6 +149,149 @@ def sweep_plan(
     return jobs, []  # rules given: no rule is skipped, so no note (a lacking column raises)
 
 
+def setting_label(rule: Rule) -> str:
+    """How masked_fraction.png names a given setting: `name@preset` where the rule is that
+    preset's values, else its SPEC (`ipo:eps=0.3`, `icepop@verl:low=0.3,high=5`)."""
+    if rule.preset:
+        with contextlib.suppress(Exception):
+            if parse_rule(f"{rule.name}@{rule.preset}").values() == rule.values():
+                return f"{rule.name}@{rule.preset}"
+    return rule.spec()
+
+
+@dataclass
+class CurvePlan:
+    """masked_fraction.png's own lines where rules are given (`curve_plan`), in draw order:
+    each the rows of one of the sweep's jobs (`("sweep", i)`: a bare name's grid, an unset
+    threshold's) or of a job of the figure's own (`("own", k)`: `jobs[k]`, replayed in the
+    same read after every other job), whether the line is a given setting's (its markers
+    are the settings', not the catalogue presets), and per line the given settings' points
+    on it (value -> their labels)."""
+
+    lines: list[tuple[str, int]]
+    given: list[bool]
+    marks: list[dict[float, list[str]]]
+    jobs: list[engine.Job]
+
+
+def curve_plan(
+    columns: Sequence[str],
+    settings: Sequence[str | Rule] | None,
+    sweep_jobs: Sequence[engine.Job],
+    rules: Sequence[Rule] | None = None,
+) -> CurvePlan | None:
+    """The lines masked_fraction.png draws where rules are given (None where none are: the
+    figure draws the sweep, every rule). The sweep table (`sweep_plan`) holds one row for a
+    setting; the figure keeps the curves as context. For each rule given at a setting
+    (`name:p=v`, `name@preset`, a Rule), each threshold parameter over its default grid
+    with the other parameters at the setting's values (the lines the default sweep draws
+    for the rule's defaults), the setting's own value a grid point (exact: a filled marker,
+    the count the sweep's row has); a bare name or an unset threshold: its sweep job's
+    rows as they are (bare names alone: None, the sweep is the figure's). Settings that
+    fall on one line (icepop@prime-rl and icepop@verl on
+    `low` with high=5) share it, at the first one's arithmetic and precision. `rules`: the
+    settings as parsed (precision applied), in the order given."""
+    if not settings:
+        return None
+    parsed = (
+        list(rules)
+        if rules is not None
+        else [parse_rule(s) if isinstance(s, str) else s for s in settings]
+    )
+    keys: dict[tuple, int] = {}  # (rule, param, setting) -> line
+    lines: list[tuple[str, int]] = []
+    given: list[bool] = []
+    marks: list[dict[float, list[str]]] = []
+    own: list[tuple[Rule, str, list[float]]] = []  # a line of its own: rule, param, values
+    placed: set[int] = set()
+
+    def add_sweep(name: str) -> None:
+        for i, j in enumerate(sweep_jobs):
+            if i in placed or j.rule.name != name or len(j.values) < 2:
+                continue
+            placed.add(i)
+            key = (j.rule.name, j.param, j.rule.setting(j.param))
+            if key not in keys:
+                keys[key] = len(lines)
+                lines.append(("sweep", i))
+                given.append(False)
+                marks.append({})
+
+    for spec, rule in zip(settings, parsed, strict=True):
+        if is_bare(spec) or any(v is None for v in rule.values().values()):
+            add_sweep(rule.name)
+            continue
+        label = setting_label(rule)
+        for p in rule.params:
+            if not p.threshold:
+                continue
+            v = float(getattr(rule, p.name))
+            grid = parse_grid(p.grid)
+            key = (rule.name, p.name, rule.setting(p.name))
+            at = keys.get(key)
+            if at is None:
+                at = keys[key] = len(lines)
+                lines.append(("own", len(own)))
+                given.append(False)
+                marks.append({})
+                own.append((rule, p.name, list(grid)))
+            elif lines[at][0] == "sweep":  # a bare name's line: its grid, the value added
+                j = sweep_jobs[lines[at][1]]
+                lines[at] = ("own", len(own))
+                own.append((j.rule, j.param, list(j.values)))
+            given[at] = True
+            values = own[lines[at][1]][2]
+            if not np.isfinite(v) or (v <= 0 < min(values)):  # "off" (cispo's low 0)
+                continue
+            close = [x for x in values if math.isclose(x, v, rel_tol=1e-9, abs_tol=0.0)]
+            if close:  # the grid's point is the setting's value, exactly
+                values.remove(close[0])
+            values.append(v)
+            marks[at].setdefault(v, []).append(label)
+    if not any(given):  # bare names alone: the figure draws the sweep, as it holds them
+        return None
+    jobs = []
+    for rule, param, values in own:
+        jobs.append(engine.Job(rule, param, np.unique(np.asarray(values, float))))
+    for j in jobs:
+        lacking = [c for c in j.rule.needs if c not in columns]
+        if lacking:  # sweep_plan has refused it already; kept for a direct call
+            raise DataError(f"rule '{j.rule.name}' needs the column(s) {', '.join(lacking)}.")
+    return CurvePlan(lines, given, marks, jobs)
+
+
+def curve_table(
+    table: pl.DataFrame, jobs: Sequence[engine.Job], plan: CurvePlan | None
+) -> pl.DataFrame | None:
+    """masked_fraction.png's table from the read's whole (ungrouped) table: the plan's
+    lines, each its job's rows (`jobs`: the read's, the sweep's first and the figure's own
+    last), with two columns: `given` (the line is a given setting's) and
+    `mark` (the labels of the given settings at that row's value, else null). None
+    without a plan."""
+    if plan is None:
+        return None
+    ends = np.cumsum([len(j.values) for j in jobs])
+    starts = ends - np.array([len(j.values) for j in jobs])
+    first_own = len(jobs) - len(plan.jobs)
+    parts = []
+    for (where, k), is_given, at in zip(plan.lines, plan.given, plan.marks, strict=True):
+        ji = k if where == "sweep" else first_own + k
+        part = table.slice(int(starts[ji]), int(ends[ji] - starts[ji]))
+        mark = [_labels_at(at, x) for x in part["value"].to_list()]
+        parts.append(
+            part.with_columns(given=pl.lit(is_given), mark=pl.Series("mark", mark, dtype=pl.String))
+        )
+    return pl.concat(parts, how="vertical_relaxed") if parts else None
+
+
+def _labels_at(marks: dict[float, list[str]], x: float) -> str | None:
+    """The labels of the settings at value x of a line ("a, b"), None where there is none."""
+    for v, labels in marks.items():
+        if math.isclose(x, v, rel_tol=1e-9, abs_tol=0.0):
+            return ", ".join(labels)
+    return None
+
+
 def length_rules(columns: Sequence[str], given: Sequence[Rule] | None = None) -> list[Rule]:
     """The settings of masked_by_length: the token and sequence mask rules of `given` (the
     user's rules; the figure follows them), else LENGTH_SETTINGS; none where the log has no
@@ -179,7 +338,8 @@ def figure_data(
     precision: str | None = None,
 ) -> FigureData:
     """Four replays of the log: the sweep (`sweep_plan`: of the settings given, as `sweep
-    -r`) + scatter, settings by step, settings by bucket,
+    -r`) + scatter, with masked_fraction's own lines where settings are given
+    (`curve_plan`: their jobs in the same read), settings by step, settings by bucket,
     `LENGTH_SETTINGS` by sequence length (`length_table`; none without sample_id, a note).
     `precision="float32"`: every rule decision in the frameworks' float32 arithmetic
     (engine.replay; the full sweep then runs on the simple path)."""
@@ -194,10 +354,14 @@ def figure_data(
         # the sweep, and the settings whose mask cost the figure draws as one-value jobs
         sweep_jobs, sweep_notes = sweep_plan(plan.columns, settings, sweeps)
         extra = [engine.single_job(r) for r in costed if r.level != "step"]
-        full = engine.replay(plan, jobs=[*sweep_jobs, *extra], progress=progress, final=True)
+        # masked_fraction's own lines (the rules given at a setting: their curves), last
+        curves = None if sweeps else curve_plan(plan.columns, settings, sweep_jobs, chosen)
+        own = curves.jobs if curves is not None else []
+        full = engine.replay(plan, jobs=[*sweep_jobs, *extra, *own], progress=progress, final=True)
         full.notes = [*sweep_notes, *full.notes]
         res = full.result()
         cost = cost_table(res.table, costed)
+        figure_table = curve_table(res.table, full.jobs, curves)
         res.table = res.table.head(sum(len(j.values) for j in full.jobs[: len(sweep_jobs)]))
         by_step = engine.replay(plan, rules=chosen, by="step", progress=progress, final=True)
         by_bucket = engine.replay(plan, rules=chosen, by="q_bucket", progress=progress, final=True)
@@ -222,6 +386,7 @@ def figure_data(
         by_length=by_length,
         given=bool(settings),
         mask_cost=cost,
+        curves=figure_table,
     )
 
 

@@ -139,7 +139,9 @@ SettingOpt = Annotated[
         "(ipo) sweeps the rule's threshold parameters over their default grids (its "
         "masked-fraction panel, and report's sweep.csv, hold those rows) and draws its "
         "default setting; name:param=value (ipo:eps=0.3) or name@preset is that one "
-        "setting, one row. Default: IPO 0.3 and 0.1, IcePop [0.2, 5] and [0.5, 5], KPop "
+        "setting, one row, drawn marked on its threshold curves (the default grid, the "
+        "other parameters at its values). Default: IPO 0.3 and 0.1, IcePop [0.2, 5] and "
+        "[0.5, 5], KPop "
         "0.1, DPPO-TV 0.2 (when the log has advantages), and every rule swept.",
     ),
 ]

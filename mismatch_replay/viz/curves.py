@@ -23,8 +23,17 @@ by a thin leader line where it had to move away. A curve identical to one alread
 (token-mis = IcePop) keeps its data but no ink, its legend entry reading "= IcePop low", and
 labels only the presets the first does not mark, with its rule's name ("token-MIS trl"). One
 colour per rule (`style.rule_color`, `colors` overriding), the swept side of a band by line
-style. Gids: "sweep|rule|setting|param", "preset|...", "preset-label|...",
+style. Gids: "sweep|rule|setting|param", "preset|...", "given|...", "preset-label|...",
 "preset-leader|...", "target", "floor", "unit", and "note" on the text.
+
+Where the rules were given at a setting, the table is the figure's own
+(`analysis.figure_data.curve_table`): each setting's threshold curves over the default grid,
+with a `given` column (the line is a setting's: no catalogue presets on it) and a `mark`
+column (the settings' labels, `icepop@verl` or a SPEC, at the rows of their values). Those
+rows get a filled marker ("given|rule|setting|param|value|label"), labelled like the
+presets. x is log where the grid is log-spaced (a setting's value added still is one: the
+tails are the point) or spans two decades; a linear x (a sweep table's lone setting) gets at
+most five short tick labels.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import numpy as np
 import polars as pl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from ..errors import UsageError
 from ..gcpause import paused as gc_paused
@@ -140,10 +150,16 @@ def _bound_on(rule: str) -> str:
 
 
 def _is_log_grid(x: np.ndarray) -> bool:
+    """Whether the values are a log-spaced grid: most steps in log x equal (a grid with a
+    few values added, a given setting's, still is: `analysis.figure_data.curve_plan`)."""
     if x.size < 3 or np.any(x <= 0):
         return False
     d = np.diff(np.log(x))
-    return bool(np.all(d > 0) and np.ptp(d) <= 1e-6 * max(abs(float(d.mean())), 1e-300))
+    if np.any(d <= 0):
+        return False
+    step = float(np.max(d))  # an added value splits one step in two: the others are whole
+    whole = np.abs(d - step) <= 1e-6 * step
+    return bool(whole.sum() >= max(2, int(0.75 * d.size)))
 
 
 def _rule_names(rules) -> list[str] | None:
@@ -180,6 +196,7 @@ def masked_fraction(
     if flat.height and names is not None:
         flat = flat.filter(pl.col("rule").is_in(names))
     lines = sweep_lines(flat)
+    given, marks = _given(flat)
     if not lines:
         raise UsageError("masked_fraction: the sweep table has no rows to draw (check --rule).")
     fams: dict[str, list[dict]] = {}
@@ -209,17 +226,36 @@ def masked_fraction(
             )
         fig = axes[0].figure
     points = preset_points(flat) if markers else None
+    if points is not None and given:  # a given setting's line: its markers are the settings'
+        keep = [(r, s, p) not in given for r, s, p in points.select(_KEYS).iter_rows()]
+        points = points.filter(pl.Series(keep, dtype=pl.Boolean))
+    if not markers:
+        marks = {}
     floored_any = False
     labels: list[Label] = []
     for a, key in zip(axes, order, strict=False):
         floored_any |= _draw_family(
-            a, fam_of[key], fams[key], points, target_fraction, colors, labels
+            a, fam_of[key], fams[key], points, target_fraction, colors, labels, marks
         )
     tokens = int(max(ln["tokens"].max() for ln in lines))
+    presets = (
+        "Markers: the rules' presets (defaults), filled where the preset is a grid point, "
+        "open where it falls between two (interpolated)."
+    )
+    if given:  # the rules given at a setting, on their curves
+        presets = (
+            "Filled markers, labelled with their preset or SPEC: the settings given, each on "
+            "the curves of its thresholds (over the default grid, its other parameters at "
+            "the setting's)."
+        )
+        if points is not None and points.height:
+            presets += (
+                " Markers labelled with frameworks: the presets of a rule given by name "
+                "(open: between two grid points, interpolated)."
+            )
     note = (
         f"{tokens:,} tokens. Each curve sweeps one parameter with the others fixed (in "
-        "brackets). Markers: the rules' presets (defaults), filled where the preset is a grid "
-        "point, open where it falls between two (interpolated). Dashed: the lower side of a "
+        f"brackets). {presets} Dashed: the lower side of a "
         "band (low, eps_low); solid: the upper side or the only threshold. Weight rules (tis, "
         "cispo, seq-tis) mask nothing: their curve is the truncated fraction."
     )
@@ -254,6 +290,38 @@ def masked_fraction(
     return fig
 
 
+_KEYS = ["rule", "setting", "param"]
+
+
+def _given(flat: pl.DataFrame) -> tuple[set[tuple], dict[tuple, list[tuple[float, str]]]]:
+    """The lines of a figure table (`analysis.figure_data.curve_table`) drawn for a given
+    setting (its `given` column), and the settings' points on them (its `mark` column):
+    (rule, setting, param) -> [(value, label)]. None of either for a plain sweep table."""
+    if not {"given", "mark"} <= set(flat.columns) or flat.height == 0:
+        return set(), {}
+    keyed = flat.with_columns(pl.col("setting").fill_null(""))
+    given = {tuple(k) for k in keyed.filter(pl.col("given")).select(_KEYS).unique().iter_rows()}
+    marks: dict[tuple, list[tuple[float, str]]] = {}
+    for r in keyed.filter(pl.col("mark").is_not_null()).iter_rows(named=True):
+        marks.setdefault((r["rule"], r["setting"], r["param"]), []).append(
+            (float(r["value"]), r["mark"])
+        )
+    return given, marks
+
+
+def _short_setting(setting: str) -> str:
+    """A line's fixed parameters as its legend reads them: 'high=1.667, clamp=1e-06' for
+    'high=1.6666666666666667,clamp=1e-06' (4 significant digits)."""
+    out = []
+    for part in setting.split(","):
+        k, sep, v = part.partition("=")
+        try:
+            out.append(f"{k}={float(v):.4g}" if sep else part)
+        except ValueError:
+            out.append(part)
+    return ", ".join(out)
+
+
 def _framework_text(presets: str) -> str:
     """A preset marker's label: its frameworks ('default' for the rule's own default)."""
     names = [n.strip() for n in presets.split(",") if n.strip()]
@@ -268,6 +336,7 @@ def _draw_family(
     target: float | None,
     colors: dict[str, str] | None,
     labels: list[Label],
+    marks: dict[tuple, list[tuple[float, str]]] | None = None,
 ) -> bool:
     xs = np.concatenate([ln["x"] for ln in lines])
     logx = bool(
@@ -288,7 +357,7 @@ def _draw_family(
         if bound_on := _bound_on(rule):  # what the value bounds, in a panel of mixed ones
             label += f" [{bound_on}]"
         if ln["setting"]:
-            label += f" ({ln['setting'].replace(',', ', ')})"
+            label += f" ({_short_setting(ln['setting'])})"
         if ln["kind"] == "weight":
             label += ", truncated"
         # A curve equal to one already drawn (token-mis = icepop, cispo's = icepop's tokens)
@@ -307,6 +376,34 @@ def _draw_family(
             ax.plot(ln["x"], y, ls="none", marker="o", ms=5, color=color, label=label, gid=gid)
         else:
             ax.plot(ln["x"], y, ls=style, lw=1.6, color=color, label=label, gid=gid, zorder=2)
+        for value, text in (marks or {}).get((rule, ln["setting"], param), []):
+            hit = np.flatnonzero(np.isclose(ln["x"], value, rtol=1e-9, atol=0.0))
+            if hit.size == 0:  # not a point of the line (a NaN fraction): no marker
+                continue
+            yv = float(y[hit[0]])
+            ax.plot(
+                [value],
+                [yv],
+                ls="none",
+                marker="o",
+                ms=7.5,
+                mew=1.2,
+                mec="black",
+                mfc=color,
+                zorder=6,
+                gid=f"given|{rule}|{ln['setting']}|{param}|{fmt_g(value)}|{text}",
+                label="_nolegend_",
+            )
+            labels.append(
+                Label(
+                    ax,
+                    text,
+                    (float(value), yv),
+                    color,
+                    f"{rule}|{ln['setting']}|{param}|{fmt_g(value)}",
+                    group=rule,
+                )
+            )
         if points is not None and points.height:
             mine = points.filter(
                 (pl.col("rule") == rule)
@@ -358,6 +455,9 @@ def _draw_family(
         ax.set_xscale("log")
     ax.set_ylim(bottom=0.7 * min(floor, target or 1.0), top=1.3)
     light_log_ticks(ax)
+    if not logx:  # a narrow linear range (one setting): a few short labels, no overlap
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.6g}"))
     ax.set_title(fam.title, fontsize=LABEL)
     ax.set_xlabel(fam.xlabel, fontsize=LABEL - 0.5)
     ax.set_ylabel("fraction of tokens masked", fontsize=LABEL - 0.5)

@@ -144,7 +144,7 @@ def report(
             summary=got,
             on_sweep=None
             if helper is None
-            else lambda t: _early(helper, t, target_fraction, settings),
+            else lambda t, curves: _early(helper, t, curves, target_fraction, settings),
         )
         summary = got["summary"]
         from ..analysis.diagnose import diagnose as run_diagnose
@@ -189,13 +189,15 @@ def report(
         )
 
 
-def _early(helper: pool.FigurePool, table, target_fraction: float, settings=None) -> None:
-    """masked_fraction sent to the helper as soon as its sweep table exists (write_report's
-    PNG at its resolution, the panels of the rules given: `render_all` picks it up)."""
+def _early(helper: pool.FigurePool, table, curves, target_fraction: float, settings=None) -> None:
+    """masked_fraction sent to the helper as soon as its tables exist (the sweep and the
+    figure's own, `FigureData.curves`; write_report's PNG at its resolution, the panels of
+    the rules given: `render_all` picks it up)."""
     from .render import panel_rules
 
     kw = {"target_fraction": target_fraction, "rules": panel_rules(settings or (), bool(settings))}
-    helper.send("masked_fraction", pool.Part(sweep=table), "png", page.DPI, kw)
+    part = pool.Part(sweep=table, curves=curves)
+    helper.send("masked_fraction", part, "png", page.DPI, kw)
 
 
 def _pool(figure_process: bool | None):

@@ -49,7 +49,7 @@ from typing import IO, Any
 # other four figures here the two processes finish about together (masked_by_length sent
 # too left the helper last, ~0.1-0.3 s after this process at 20M tokens)
 OFFLOAD = ("masked_fraction",)
-READS = {"masked_fraction": ("sweep",), "masked_by_length": ("by_length",)}
+READS = {"masked_fraction": ("sweep", "curves"), "masked_by_length": ("by_length",)}
 ENV_WORKERS = "MISMATCH_REPLAY_FIGURE_WORKERS"
 ENV_DEBUG = "MISMATCH_REPLAY_POOL_DEBUG"
 _RC_SKIP = ("backend", "backend_fallback", "interactive")
@@ -163,7 +163,7 @@ class FigurePool:
         or any object with the fields the figure reads); False if it cannot be asked."""
         if not self.alive:
             return False
-        part = Part(**{f: getattr(data, f) for f in READS[name]})
+        part = Part(**{f: getattr(data, f, None) for f in READS[name]})
         rid, self.next_id = self.next_id, self.next_id + 1
         msg = {"id": rid, "name": name, "data": part, "fmt": fmt, "dpi": dpi, "kw": kw}
         msg["rc"] = _rc_changes()
@@ -184,7 +184,7 @@ class FigurePool:
         settings (a job sends masked_fraction as soon as its sweep table exists)."""
         got = self.asked.get(name)
         same = got is not None and got[1] == (fmt, dpi, dict(kw))
-        if same and all(getattr(got[2], f) is getattr(data, f) for f in READS[name]):
+        if same and all(getattr(got[2], f) is getattr(data, f, None) for f in READS[name]):
             return True
         return self.send(name, data, fmt, dpi, kw)
 

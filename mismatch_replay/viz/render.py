@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
 import matplotlib as mpl
+import polars as pl
 from matplotlib.figure import Figure
 
 from .. import __version__
@@ -101,6 +102,13 @@ def panel_rules(settings, given: bool) -> list[str] | None:
     )
 
 
+def curve_source(data) -> pl.DataFrame:
+    """The table masked_fraction draws: the figure's own (`FigureData.curves`: the rules
+    given at a setting, on their curves) where the data has one, else the sweep."""
+    curves = getattr(data, "curves", None)
+    return data.sweep if curves is None else curves
+
+
 def figures(
     data: FigureData, target_fraction: float | None = None, rules: list[str] | None = None
 ) -> dict[str, Callable]:
@@ -110,7 +118,7 @@ def figures(
     out = {
         "scatter": lambda: scatter_panels(data, **scatter_kwargs(data)),
         "masked_fraction": lambda: masked_fraction(
-            data.sweep, target_fraction=target_fraction, rules=rules
+            curve_source(data), target_fraction=target_fraction, rules=rules
         ),
         "steps": lambda: steps(data),
         "where_masked": lambda: where_masked(data),

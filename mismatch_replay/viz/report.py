@@ -511,9 +511,11 @@ _GIVEN_CAPTIONS = {
     ),
     "masked_fraction": (
         "Fraction of tokens masked (weight rules: truncated) as a function of each rule's "
-        "threshold, the panels of the rules given, the rows of sweep.csv: a rule given by "
-        "its name alone is swept over its default grids (the other parameter at its "
-        "default), one given at a setting is that one point. Markers: the rules' presets."
+        "threshold, the panels of the rules given: a rule given by its name alone is swept "
+        "over its default grids (the other parameter at its default), its markers the "
+        "rules' presets; one given at a setting (one row of sweep.csv) is marked, with its "
+        "preset or SPEC, on its curves: each threshold over its default grid, the other "
+        "parameters at the setting's values."
     ),
     "masked_by_length": (
         "Masked fraction per sequence-length bucket for the rules given that mask tokens: a "
