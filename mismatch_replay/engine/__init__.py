@@ -39,6 +39,7 @@ from .bins import (
     poisson_weights,
     scatter_edges,
 )
+from .groups import GROUP_KEYS
 from .jobs import (
     Job,
     check_precision,
@@ -68,7 +69,7 @@ from .stream import (
     shard_tally,
 )
 from .tail import Tail, sample_of
-from .tally import GROUP_KEYS, SweepResult, Tally
+from .tally import SweepResult, Tally
 
 __all__ = [
     "ENGINES",

@@ -25,8 +25,9 @@ import polars as pl
 from ..errors import DataError, UsageError
 from ..ingest import IngestWarning, Plan, first_batch_warnings, iter_batches
 from .bins import Grow
+from .groups import GROUP_KEYS
 from .jobs import Job
-from .tally import GROUP_KEYS, Tally
+from .tally import Tally
 
 
 def columns_needed(jobs: Sequence[Job], by: str | None, available: Sequence[str]) -> list[str]:

@@ -39,12 +39,10 @@ what runs without numba, for bootstraps and for float32 replays. `paths()` says 
 computed each job, and why.
 
 Grouping (`by`): every token gets a group code before the paths run, so both group
-identically. `step` and `env` are the token's column; `q_bucket` its inference
-probability's bucket (a sequence then spans groups: readout.py); `length` its sequence's
-bucket [2^k, 2^(k+1)) of loss tokens, from the replay's pre-pass (`seq_len`), so a sequence
-never spans length buckets. Every piece of a Tally is a sum, a max or a min, so `Tally +
-Tally` merges shards exactly, whatever the split into files, batches or threads (a
-sequence of unknown length, or an m2po step resolved in one of them, is refused).
+identically (groups.py: `Grouping`, a mixin, with the groups' design). Every piece of a
+Tally is a sum, a max or a min, so `Tally + Tally` merges shards exactly, whatever the
+split into files, batches or threads (a sequence of unknown length, or an m2po step
+resolved in one of them, is refused).
 """
 
 from __future__ import annotations
@@ -57,27 +55,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from .. import fast, pmath
-from ..errors import UsageError
+from .. import fast
 from ..ingest import ReadReport
 from ..metrics import MetricSums
 from ..present import Presentable, sweep_lines
 from ..rules import LOG_CLAMP, SeqStats, TokenBatch, seq_extras
 from .bins import (
-    Q_BUCKET_EDGES,
     SCATTER_BINS,
     SCATTER_LOG10_MIN,
     Grow,
     JobBins,
     accumulate,
     direction_class,
-    length_bucket,
     new_bins,
     poisson_weights,
-    q_bucket,
     scatter_index,
     seq_count,
 )
+from .groups import Q_EDGES, Grouping
 from .jobs import Job
 from .lead import Leading
 from .m2po import M2POStore, M2POTally
@@ -86,23 +81,7 @@ from .robust import add_robust
 from .sequences import SUMS, Sequences, partials
 from .tail import Tail, sample_of
 
-GROUP_KEYS = ("step", "env", "q_bucket", "length", "lag", "position")
 _NONE = np.zeros(0, dtype=np.int64)
-_Q_EDGES = np.asarray(Q_BUCKET_EDGES, dtype=np.float64)
-
-
-# --by lag: the token's policy lag, step - version; --by position: its position's bucket
-# [2^k, 2^(k+1)) by its lower edge (0 alone): both per token, so a sequence spans groups
-DERIVED_GROUPS = ("lag", "position")
-
-
-def derived_group(df: pl.DataFrame, by: str) -> pl.Series:
-    """The --by lag / --by position group of every token of a batch, as an Int64 Series."""
-    if by == "lag":
-        return (df["step"].cast(pl.Int64) - df["version"].cast(pl.Int64)).alias("lag")
-    p = df["position"].cast(pl.Int64).to_numpy()
-    low = np.where(p > 0, np.left_shift(1, np.floor(np.log2(np.maximum(p, 1))).astype(np.int64)), 0)
-    return pl.Series("position", low, dtype=pl.Int64)
 
 
 @dataclass
@@ -139,7 +118,7 @@ class SweepResult(Presentable):
 
 
 @dataclass
-class Tally(Leading, Presentable):
+class Tally(Leading, Grouping, Presentable):
     """Additive summary of one pass over a log: enough to answer every sweep question."""
 
     jobs: list[Job]
@@ -249,113 +228,6 @@ class Tally(Leading, Presentable):
         return self.m2po_part.sealed
 
     # -- groups and sequences
-    def _group_codes(self, df: pl.DataFrame, seq=None) -> np.ndarray:
-        if self.by == "length":
-            return self._length_codes(seq[0])
-        if self.by is None:
-            if not self.groups:
-                self.groups.append(None)
-                self._gidx[None] = 0
-            z = self._scratch.get("zeros")  # one read-only array of zeros: a fresh one per
-            if z is None or z.shape[0] < df.height:  # batch cost a page fault per 512 tokens
-                z = self._scratch["zeros"] = np.zeros(max(df.height, 1), dtype=np.int64)
-                z.flags.writeable = False
-            return z[: df.height]
-        if self.by == "q_bucket":
-            return self._q_bucket_codes(df["inference_logprob"].to_numpy())
-        col = derived_group(df, self.by) if self.by in DERIVED_GROUPS else df[self.by]
-        if col.dtype.is_integer() and col.null_count() == 0:
-            got = self._run_codes(col.to_numpy())
-            if got is not None:
-                return got
-        u = col.unique(maintain_order=True).to_list()
-        for v in u:
-            if v not in self._gidx:
-                self._gidx[v] = len(self.groups)
-                self.groups.append(v)
-        lut = pl.DataFrame(
-            {self.by: pl.Series(u, dtype=col.dtype), "_g": [self._gidx[v] for v in u]}
-        )
-        return (
-            col.to_frame(self.by)
-            .join(lut, on=self.by, how="left", maintain_order="left")["_g"]
-            .to_numpy()
-            .astype(np.int64)
-        )
-
-    def _run_codes(self, x: np.ndarray) -> np.ndarray | None:
-        """Group codes of an integer column by its runs (a step column holds a few long
-        ones): groups registered by first appearance, as the general path registers them;
-        None where the runs are short (the general path is faster). The codes are this
-        Tally's scratch, valid until its next batch (nothing keeps a batch's codes past
-        it: m2po's store copies them)."""
-        if x.shape[0] == 0:
-            return np.zeros(0, dtype=np.int64)
-        starts = np.r_[0, np.flatnonzero(x[1:] != x[:-1]) + 1]
-        if starts.shape[0] > 64 + x.shape[0] // 64:  # short runs: the general path
-            return None
-        codes = np.empty(starts.shape[0], dtype=np.int64)
-        for k, v in enumerate(x[starts].tolist()):
-            gi = self._gidx.get(v)
-            if gi is None:
-                gi = self._gidx[v] = len(self.groups)
-                self.groups.append(v)
-            codes[k] = gi
-        out = self._scratch.get("run_codes")  # reused: a fresh array per batch cost its pages
-        if out is None or out.shape[0] < x.shape[0]:
-            out = self._scratch["run_codes"] = np.empty(x.shape[0], dtype=np.int64)
-        out = out[: x.shape[0]]
-        ends = [*starts[1:].tolist(), x.shape[0]]
-        for a, b, c in zip(starts.tolist(), ends, codes.tolist(), strict=True):
-            out[a:b] = c
-        return out
-
-    def _q_bucket_codes(self, lq: np.ndarray) -> np.ndarray:
-        """--by q_bucket: each token's group, its q's bucket (bins.q_bucket; on the fused
-        backend the kernel's exp, the same bits), groups registered by first appearance."""
-        j = fast.compiled()
-        if j is not None:
-            b = np.empty(lq.shape[0], dtype=np.int64)
-            first = np.full(_Q_EDGES.shape[0], -1, dtype=np.int64)
-            j.q_bucket_codes(np.ascontiguousarray(lq, dtype=np.float64), _Q_EDGES, b, first)
-            present = np.flatnonzero(first >= 0)
-            first = first[present]
-        else:
-            b = q_bucket(pmath.exp(lq))
-            present, first = np.unique(b, return_index=True)
-        lut = np.full(_Q_EDGES.shape[0], -1, dtype=np.int64)
-        for k in present[np.argsort(first)].tolist():
-            label = float(_Q_EDGES[k])
-            if label not in self._gidx:
-                self._gidx[label] = len(self.groups)
-                self.groups.append(label)
-            lut[k] = self._gidx[label]
-        return lut[b]
-
-    def _length_codes(self, gid: np.ndarray) -> np.ndarray:
-        """--by length: each token's group is its sequence's length bucket (from the
-        pre-pass's counts, `seq_len`); the buckets are registered once, in ascending order."""
-        codes = self._scratch.get("len_codes")
-        if codes is None:
-            if self.seq_len is None:
-                raise UsageError(
-                    "--by length needs each sequence's loss tokens up front: run it through "
-                    "replay(), which counts them in a first pass."
-                )
-            b = length_bucket(self.seq_len)
-            present = np.unique(b)
-            lut = np.full(int(present.max(initial=0)) + 1, -1, dtype=np.int64)
-            for v in present.tolist():
-                label = 1 << v
-                if label not in self._gidx:
-                    self._gidx[label] = len(self.groups)
-                    self.groups.append(label)
-                lut[v] = self._gidx[label]
-            codes = self._scratch["len_codes"] = lut[b]
-        if gid.shape[0] and gid.max() >= codes.shape[0]:
-            raise AssertionError("internal error: a sequence the length pre-pass did not see")
-        return codes[gid]
-
     def seq_codes(self, df: pl.DataFrame) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """Per-token global sequence ids of a batch, and (its distinct ids, each token's
         index into them): `Sequences.codes` (the arrays may be reused by the next call)."""
@@ -500,7 +372,7 @@ class Tally(Leading, Presentable):
                 scatter_consts=(0.0, lin_w, SCATTER_LOG10_MIN, log_w, SCATTER_BINS),
                 log_clamp=LOG_CLAMP,
                 tail_cut=tail_cut,
-                q_edges=_Q_EDGES if self.tail is not None and self.tail.count_q else None,
+                q_edges=Q_EDGES if self.tail is not None and self.tail.count_q else None,
                 scatter=self.scatter,
                 clamped_seq=self.clamped_seq,
                 follow=follow,
