@@ -10,13 +10,14 @@ Progress bars and notes go to stderr so that stdout can be piped. Library errors
 usage); no traceback.
 Heavy modules are imported inside the commands so that `--help` starts fast.
 
-Four modules, each with one job:
+The modules, each with one job:
 
 - core.py: the Typer app, command registration (`@command`), `run` (errors -> exit codes),
   the rebuilt command line, `--version` and `main`, the console script;
 - options.py: every option that several commands share, declared once, and the group of
   seven read options that a command takes as one parameter (`read: Reads`);
-- commands.py: the twelve commands, each a signature (its interface) and a short body;
+- commands.py: the commands that read a log, each a signature (its interface) and a
+  short body; logs.py: the three that write one (simulate, demo, convert);
 - render.py: what a terminal shows: the progress line, tables fitted to the terminal
   without cutting a number or a rule parameter, one `print_*` per result.
 
@@ -28,7 +29,7 @@ in an install hint is not a style tag).
 
 from __future__ import annotations
 
-from . import commands  # noqa: F401  (registers the commands on `app`)
+from . import commands, logs  # noqa: F401  (register the commands on `app`, in this order)
 from .core import app, main
 
 __all__ = ["app", "main"]
