@@ -130,6 +130,39 @@ def sources(golden, tmp_path_factory) -> dict[str, Path]:
     return {fmt: write_format(fmt, golden, base / fmt) for fmt in FORMATS}
 
 
+ENTROPY_COLUMNS = ("entropy_mean", "masked_entropy_mean")
+
+
+def expected_sweep(table: pl.DataFrame, src: Path, fmt: str, tmp: Path) -> pl.DataFrame:
+    """The sweep a format's log must replay to: that of the canonical Parquet `table`, plus
+    the entropy column the format's layout carries where it carries one (prime-rl's token
+    export and traces write the trainer's entropies; the golden log has none, so its
+    entropy_mean / masked_entropy_mean are null), joined on step, the sequence's rank in
+    its step (the traces number sequences across steps) and golden position, the joined
+    log-probs checked equal. Every other column is checked to be the plain Parquet's own."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    table.write_parquet(tmp / "plain.parquet")
+    plain = engine.sweep([tmp / "plain.parquet"], rules=SPECS).table
+    read = ingest.read_table([src])
+    if "entropy" not in read.columns:
+        return plain
+    seq = pl.col("sample_id").rank("dense").over("step").alias("seq")
+    keys = ["step", "seq", "position"]
+    ent = read.select(
+        "step", seq, pl.col("position") - SHIFT.get(fmt, 0), "entropy", "trainer_logprob"
+    )
+    joined = table.with_columns(seq).join(ent, on=keys, how="left", validate="1:1", suffix="_read")
+    loss = joined.filter("loss_mask")
+    assert loss["entropy"].null_count() == 0  # every loss token has its entropy
+    assert (loss["trainer_logprob"] == loss["trainer_logprob_read"]).all()  # the same token
+    joined = joined.drop("seq", "trainer_logprob_read")
+    joined.write_parquet(tmp / "with_entropy.parquet")
+    want = engine.sweep([tmp / "with_entropy.parquet"], rules=SPECS).table
+    assert_tables_equal(want, plain, rel=1e-12, skip=ENTROPY_COLUMNS)
+    assert want["entropy_mean"].null_count() < want.height  # the entropies are counted
+    return want
+
+
 def canon(t: pl.DataFrame, fmt: str) -> pl.DataFrame:
     """The golden columns of a table read back, in golden order (positions shifted back by
     the tokens a format's layout puts before golden position 0)."""
@@ -142,8 +175,8 @@ def canon(t: pl.DataFrame, fmt: str) -> pl.DataFrame:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_format_replays_to_the_golden_counts(sources, fmt):
-    expected = engine.sweep([GOLDEN_LOG], rules=SPECS).table
+def test_every_format_replays_to_the_golden_counts(sources, golden, tmp_path, fmt):
+    expected = expected_sweep(golden, sources[fmt], fmt, tmp_path)
     got = engine.sweep([sources[fmt]], rules=SPECS).table
     assert got["tokens"][0] == 19598
     assert got["masked_tokens"].to_list() == expected["masked_tokens"].to_list()
@@ -173,8 +206,7 @@ def test_values_rounded_as_the_writers_store_them_replay_like_the_same_parquet(
         src = src / "monitors" / "file" / "traces"
     else:
         src = write_format(fmt, rounded, tmp_path / fmt, dtype="float32")
-    rounded.write_parquet(tmp_path / "rounded.parquet")
-    want = engine.sweep([tmp_path / "rounded.parquet"], rules=SPECS).table
+    want = expected_sweep(rounded, src, fmt, tmp_path / "rounded")
     got = engine.sweep([src], rules=SPECS).table
     assert got["tokens"][0] == 19598
     assert got["masked_tokens"].to_list() == want["masked_tokens"].to_list()

@@ -122,7 +122,12 @@ def test_sweep_reports_each_jobs_path():
         {"rule": "seq-tis:cap=2", "param": None, "path": "simple", "reason": "sequence rule"},
     ]
     f32 = strict_json(run(*args, "--json", "--precision", "float32").stdout)["paths"]
-    assert [(p["path"], p["reason"]) for p in f32] == [("simple", "float32 replay")] * 2
+    # each job's own reason since df222d1 (precision per rule, no Tally-wide 'float32
+    # replay'): a sequence rule runs the simple path in any precision, so it says so
+    assert [(p["path"], p["reason"]) for p in f32] == [
+        ("simple", "float32 replay"),
+        ("simple", "sequence rule"),
+    ]
     plain_run, verbose = run(*args), run(*args, "--verbose")
     assert verbose.exit_code == 0, verbose.stderr
     assert verbose.stdout == plain_run.stdout

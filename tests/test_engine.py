@@ -163,11 +163,17 @@ def test_group_column_in_table_and_metrics():
 
 def test_by_unknown_column_is_a_usage_error():
     df = canonical_log([-0.1], [-0.2])
-    with log_file(df) as path, pytest.raises(UsageError):
-        engine.sweep([path], rules=["ipo"], by="position")
+    with log_file(df) as path, pytest.raises(UsageError, match=r"--by colour: group by one of"):
+        engine.sweep([path], rules=["ipo"], by="colour")
     with log_file(df) as path, pytest.raises(UsageError) as e:
         engine.sweep([path], rules=["ipo"], by="env")
     assert "env" in str(e.value)
+    # position is a group key since d550564 (power-of-two position buckets): a log without
+    # the column is a data error naming the column and the fix, as --by length's sample_id
+    with log_file(df) as path, pytest.raises(DataError) as e:
+        engine.sweep([path], rules=["ipo"], by="position")
+    assert "--by position needs a position column" in str(e.value)
+    assert "--map position=COLUMN" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- splitting
