@@ -290,3 +290,14 @@ def test_setting_label():
     assert setting_label(parse_rule("icepop@verl")) == "icepop@verl"
     assert setting_label(parse_rule("ipo:eps=0.3")) == "ipo:eps=0.3"
     assert setting_label(parse_rule("icepop@verl:low=0.3")).startswith("icepop@verl:low=0.3")
+
+
+def test_a_curve_with_a_value_added_still_hides_its_twin():
+    """CISPO's low line (high=5) counts IcePop's tokens: drawn once even where icepop@verl
+    adds 0.5 to IcePop's grid and not to CISPO's."""
+    data = data_of(["icepop@verl", "cispo@prime-rl"])
+    fig = viz_curves.masked_fraction(data.curves)
+    lines = {ln.get_gid(): ln for ax in fig.axes for ln in ax.get_lines()}
+    twin = lines["sweep|cispo|high=5|low"]
+    assert twin.get_linestyle() == "None" and twin.get_label().endswith("= IcePop low")
+    assert lines["sweep|icepop|high=5|low"].get_linestyle() == "--"

@@ -309,6 +309,22 @@ def _given(flat: pl.DataFrame) -> tuple[set[tuple], dict[tuple, list[tuple[float
     return given, marks
 
 
+def _covering(drawn: dict[tuple[bytes, bytes], tuple[str, int]], x: np.ndarray, y: np.ndarray):
+    """The key of a curve already drawn that holds every point (x, y) (its own key where
+    none does): the same curve, or one on a grid with values added."""
+    own = (x.tobytes(), y.tobytes())
+    if own in drawn:
+        return own
+    for kx, ky in drawn:
+        dx, dy = np.frombuffer(kx), np.frombuffer(ky)
+        if dx.size <= x.size or dx.size > x.size + 8:  # a few values added at most
+            continue
+        at = np.searchsorted(dx, x)
+        if np.all(at < dx.size) and np.array_equal(dx[at], x) and np.array_equal(dy[at], y):
+            return (kx, ky)
+    return own
+
+
 def _short_setting(setting: str) -> str:
     """A line's fixed parameters as its legend reads them: 'high=1.667, clamp=1e-06' for
     'high=1.6666666666666667,clamp=1e-06' (4 significant digits)."""
@@ -362,8 +378,9 @@ def _draw_family(
             label += ", truncated"
         # A curve equal to one already drawn (token-mis = icepop, cispo's = icepop's tokens)
         # is not drawn again (it would hide under the first): its line keeps its data but
-        # no ink, and its legend entry says whose curve it is.
-        key = (ln["x"].tobytes(), y.tobytes())
+        # no ink, and its legend entry says whose curve it is. Its points may be a subset
+        # of the first's (a given setting's value added to icepop's grid, not to cispo's).
+        key = _covering(drawn, ln["x"], y)
         first, dup = drawn.get(key, (short, 0))
         drawn[key] = (first, dup + 1)
         if dup:
