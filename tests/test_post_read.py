@@ -22,13 +22,26 @@ from mismatch_replay.analysis import search, tail_counts
 from mismatch_replay.analysis.tail_counts import TailCounts, sorted_counts, suffix_values
 from mismatch_replay.engine import readout
 from mismatch_replay.fast.program import reference_bins
-from mismatch_replay.rules import REGISTRY, parse_rule
+from mismatch_replay.rules import REGISTRY
+from mismatch_replay.rules import parse_rule as _parse_rule
 
 FUSED = fast.backend() == "numba"
 needs_tail = pytest.mark.skipif(not FUSED, reason="the simple path keeps no tail")
 cmp = importlib.import_module("mismatch_replay.analysis.compare")
 
 SPECS = ("ipo", "icepop@prime-rl", "kpop@prime-rl", "dppo-tv", "ppo-clip", "token-k3")
+
+
+def parse_rule(spec: str):
+    """The tail is the fused path's (float64): presets in exact arithmetic here (a float32
+    preset, their default since issue 30, runs on the simple path, which keeps no tail)."""
+    return _parse_rule(spec).replace(precision="float64")
+
+
+@pytest.fixture(autouse=True)
+def _exact():  # compare_setup's rules too
+    with engine.use_precision("float64"):
+        yield
 
 
 def _log(tmp_path, seed: int, **kw):
@@ -233,6 +246,28 @@ def test_subsets_are_the_coordinates_bits(tmp_path):
         assert np.array_equal(tb.lp, tc.tail.arrays()["lp"][idx])
 
 
+@needs_tail
+@pytest.mark.parametrize("unit", ["sequence", "step"])
+def test_a_tail_that_kept_no_token_counts_nothing_masked(tmp_path, unit):
+    """A setting that masks nothing, with no cutoff (fraction 0): the tail keeps no token (no
+    sequence or step column either), is still exact, and its spread is None and its
+    replicates zero, with each replicate's tokens those of a tail that kept some."""
+    _, path = _log(tmp_path, 3, seqs=12)
+    job = engine.single_job(parse_rule("ipo:eps=1e6"))
+    kw = {"jobs": [job], "final": True}
+    main = engine.replay([path], tail=engine.Tail(0.0, count_steps=True), **kw)
+    assert main.tail.kept == 0
+    tc = TailCounts.of(main)
+    assert tc.covers(job) and tc.hits(job).tolist() == [0]
+    assert tc.spread(job, unit) is None
+    reps, tokens = tc.replicates(job, 7, unit, 5)
+    assert reps.shape == (7, 1) and not reps.any()
+    some = TailCounts.of(engine.replay([path], tail=engine.Tail(0.1, count_steps=True), **kw))
+    assert some.tail.kept > 0
+    _, want = some.replicates(job, 7, unit, 5)
+    assert np.array_equal(tokens, want) and tokens.sum() > 0
+
+
 # ------------------------------------------------------------------ grouped tables
 
 
@@ -304,6 +339,18 @@ def _reference_from_tail(plan, pr, tc, examples):
     c, w = cell[hit], {"q": tb.q[hit], "p": tb.p[hit], "mass": tb.abs_dp[hit]}
     acc = {"count": np.bincount(c, minlength=4).astype(np.float64)}
     acc |= {k: np.bincount(c, weights=v, minlength=4) for k, v in w.items()}
+    a = tc.tail.arrays()
+    # what a mask costs (issue 32, 3264e37): each cell's corrective and divergent tokens and
+    # |A| from every kept token's direction class; "neither" the replay's totals minus the rest
+    adv = a["advantage"] if "advantage" in a and tc.main.has_adv else None
+    totals = cmp._cost_totals(tc.main) if adv is not None else None
+    direction = None
+    if totals is not None:
+        d = engine.direction_class(tb.lp, tb.lq, adv)
+        direction = cmp._DIRECTION[d]
+        for k, v in (("corr", d == 1), ("div", d == 2), ("amass", np.abs(adv))):
+            acc[k] = np.bincount(c, weights=v[hit], minlength=4)
+            acc[k][3] = totals[k] - acc[k][:3].sum()
     tot = tc.main.metrics.total().s
     for k, total in (
         ("count", float(tc.tail.tokens)),
@@ -315,7 +362,6 @@ def _reference_from_tail(plan, pr, tc, examples):
     bucket = np.bincount(c * nb + qb[hit], minlength=4 * nb).reshape(4, nb).astype(np.float64)
     bucket[3] = tc.tail.q_counts - bucket[:3].sum(axis=0)
     top = {}
-    a = tc.tail.arrays()
     for side, code in (("a", 1), ("b", 2)):
         dis = np.flatnonzero(cell == code)
         if dis.size:
@@ -326,6 +372,7 @@ def _reference_from_tail(plan, pr, tc, examples):
                 "p": tb.p[keep],
                 "abs_dp": tb.abs_dp[keep],
                 "log_ratio": tb.l[keep],
+                "direction": direction[keep] if direction is not None else np.full(keep.size, None),
             } | {col: a[col][keep] for col in ("step", "sample_id", "position") if col in a}
     return cmp._compare_result(plan, pr, cmp._Acc(acc, bucket, top), edges)
 
@@ -348,6 +395,29 @@ def test_compare_from_the_tail_reads_the_masked_rows_only(tmp_path, a, b, fracti
     got = cmp._from_tail(plan, pair, tc, 4)
     assert got is not None
     assert got.to_dict() == _reference_from_tail(plan, pair, tc, 4).to_dict()
+
+
+@needs_tail
+def test_float32_presets_are_left_to_a_pass(tmp_path):
+    """A preset in its framework's float32 (its default, issue 30): the tail (the fused
+    path's, float64) covers none of its jobs, so the grouped tables and compare's table say
+    None (their pass counts it in float32), while the same rules in float64 are counted
+    from the tail."""
+    _, path = _log(tmp_path, 8, steps=5, seqs=30)
+    plan = ingest.plan_sources([path])
+    specs = ("ipo@prime-rl", "icepop@prime-rl")
+    for precision in ("float32", "float64"):
+        rules = [_parse_rule(s).replace(precision=precision) for s in specs]
+        jobs = [engine.single_job(r) for r in rules]
+        tc = TailCounts.of(engine.replay(plan, jobs=jobs, final=True, tail=engine.Tail(0.05)))
+        exact = precision == "float64"
+        assert all(tc.covers(j) == exact for j in jobs)
+        assert (tc.by_q_bucket(rules) is not None) == exact
+        assert (tc.by_length(rules) is not None) == exact
+        with engine.use_precision(precision):
+            pair = cmp.compare_setup(plan, *specs, None, None, None, None)
+        assert pair.a.precision == pair.b.precision == precision
+        assert (cmp._from_tail(plan, pair, tc, 4) is not None) == exact
 
 
 # ------------------------------------------------------------------ readout

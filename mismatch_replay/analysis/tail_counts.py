@@ -283,14 +283,15 @@ class TailCounts:
         if got is not None:
             return got
         a = self.tail.arrays()
+        none = np.zeros(0, dtype=np.int64)  # a tail that kept no token has no "seq", "step"
         if unit == "sequence":
             n = self.main.seq_stats().n
-            got = np.arange(n.shape[0], dtype=np.int64), n, a["seq"]
+            got = np.arange(n.shape[0], dtype=np.int64), n, a.get("seq", none)
         else:
             steps = sorted(self.tail.step_counts)
             ids = np.asarray(steps, dtype=np.int64)
             n = np.asarray([self.tail.step_counts[s] for s in steps], dtype=np.float64)
-            got = ids, n, np.searchsorted(ids, a["step"].astype(np.int64))
+            got = ids, n, np.searchsorted(ids, a.get("step", none).astype(np.int64))
         self._unit_cache[unit] = got
         return got
 
