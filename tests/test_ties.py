@@ -12,8 +12,8 @@ with --precision float64. The quantity is the one torch computes; a candidate is
 where torch's exp agrees with the correctly rounded one (crmath, or its float32 rounding):
 where torch's CPU exp is off by an ulp, no comparison can be bit for bit with every CPU's.
 Where the arithmetic never lands on a bound (k3 = 0.01: exp(l) - 1 - l moves by ~100 ulps
-of 0.01 per ulp of l) no tie exists and only the extremes are checked. The issue's table rows are checked
-one by one.
+of 0.01 per ulp of l) no tie exists and only the extremes are checked. The issue's table
+rows are checked one by one.
 """
 
 from __future__ import annotations
