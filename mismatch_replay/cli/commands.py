@@ -39,7 +39,10 @@ from .options import (
     ReadsCountingInvalid,
     RuleOpt,
     RunConfigOpt,
+    RunFormatOpt,
+    RunMapOpt,
     RunOpt,
+    RunProbsOpt,
     RunRuleOpt,
     SettingOpt,
     Sources,
@@ -565,6 +568,9 @@ def drift(
     run_: RunOpt = None,
     run_config: RunConfigOpt = None,
     run_rule: RunRuleOpt = None,
+    run_map: RunMapOpt = None,
+    run_format: RunFormatOpt = None,
+    run_probs: RunProbsOpt = None,
 ) -> None:
     """Per-step mismatch and masked fractions; flags the steps where the run drifted.
 
@@ -582,7 +588,9 @@ def drift(
         from ..analysis import drift as run_drift
 
         opts = read.options()
-        runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "drift")
+        runs = cli_runs.runs_of(
+            sources, run_, run_config, run_rule, "drift", opts, run_map, run_format, run_probs
+        )
         if runs is not None:
             kw = {"factor": factor, "baseline_steps": baseline_steps, "min_run": min_run}
             cli_runs.drift(runs, opts, rule, json_, min_rise=min_rise, **kw)
@@ -591,8 +599,10 @@ def drift(
             res = run_drift(
                 sources, rule or None, factor, baseline_steps, min_run, opts, cb, min_rise
             )
+        # its per-step masked fractions: a preset's float32 count beside its exact one
+        notes = _precision_notes(sources, [v.rule for v in res.rules], opts)
         if json_:
-            render.print_json(res.to_dict())
+            render.print_json({**res.to_dict(), "precision_notes": notes})
             return
         render.print_drift(res)
 
@@ -650,6 +660,9 @@ def plot(
     run_: RunOpt = None,
     run_config: RunConfigOpt = None,
     run_rule: RunRuleOpt = None,
+    run_map: RunMapOpt = None,
+    run_format: RunFormatOpt = None,
+    run_probs: RunProbsOpt = None,
 ) -> None:
     """The figures of a log, as PNG, SVG or PDF files.
 
@@ -674,7 +687,9 @@ def plot(
             )
         # --log-format: the old name of --format here
         opts = dataclasses.replace(read, format=fmt or log_format).options()
-        runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "plot")
+        runs = cli_runs.runs_of(
+            sources, run_, run_config, run_rule, "plot", opts, run_map, run_format, run_probs
+        )
         if runs is not None:  # runs.png: the runs side by side (drift --run's figure)
             cli_runs.plot(runs, opts, rule, output, image_format, force)
             return
@@ -684,6 +699,13 @@ def plot(
             )
         for name, p in paths.items():
             render.say(f"{name:16s} {p}")
+        # the figures' settings (-r, or the default ones): a preset's float32 count beside
+        # its exact one, on stderr after the file list
+        from ..analysis.figure_data import default_settings
+        from ..ingest import plan_sources
+
+        plan = plan_sources(sources, opts)
+        _precision_notes(plan, rule or default_settings(plan.columns), opts)
 
     run(body)
 
@@ -755,6 +777,9 @@ def report(
     run_: RunOpt = None,
     run_config: RunConfigOpt = None,
     run_rule: RunRuleOpt = None,
+    run_map: RunMapOpt = None,
+    run_format: RunFormatOpt = None,
+    run_probs: RunProbsOpt = None,
 ) -> None:
     """Everything on one self-contained HTML page (index.html, figures embedded).
 
@@ -766,7 +791,10 @@ def report(
     def body():
         from ..viz.jobs import report as run_report
 
-        runs = cli_runs.runs_of(sources, run_, run_config, run_rule, "report")
+        per_run = (run_map, run_format, run_probs)  # each run's own read options
+        runs = cli_runs.runs_of(
+            sources, run_, run_config, run_rule, "report", read.options(), *per_run
+        )
         if runs is not None:  # the runs side by side: findings, runs.png, verdicts
             one_log = bool(from_config or wandb or tensorboard is not None)
             cli_runs.report(runs, read.options(), rule, output, command_line(ctx), force, one_log)
