@@ -474,6 +474,18 @@ def skyrl_product(L: Log, v: dict, dt) -> np.ndarray:
     return L.unpad((r > v["high"]) | (r < v["low"]))
 
 
+def skyrl_outlier(L: Log, v: dict, dt) -> np.ndarray:
+    """compute_outlier_token_mask (line 114): a sequence is kept iff every loss token has
+    safe_exp(l) in bounds: token_under_low = safe_exp(l) < outlier_token_is_threshold_low;
+    outlier_token_is_threshold_high None (veto@skyrl: nothing is over high)."""
+    mask = L.mask()
+    r = _skyrl_exp(L.pad(L.lp, dt) - L.pad(L.lq, dt), dt)  # old - rollout, in dt
+    under = (r < v["v"]) & (mask > 0)
+    over = torch.zeros_like(mask, dtype=torch.bool)
+    keep = ((~over & ~under) | (mask == 0)).all(dim=-1, keepdim=True)
+    return L.unpad(~keep)
+
+
 # ----------------------------------------------------------------------------- slime
 # THUDM/slime @ 624b824: slime/backends/megatron_utils/loss.py (vanilla_tis_function,
 # icepop_function) and examples/train_infer_mismatch_helper/mis.py (compute_mis_weights)
@@ -600,6 +612,10 @@ REFERENCES: dict[str, tuple[Ref, str]] = {
     "tis@skyrl": (skyrl_tis_token, "SkyRL off_policy_correction_utils.py @ a956457"),
     "token-mis@skyrl": (skyrl_token_mask, "SkyRL off_policy_correction_utils.py @ a956457"),
     "seq-mis@skyrl": (skyrl_product, "SkyRL off_policy_correction_utils.py @ a956457"),
+    "veto@skyrl": (
+        skyrl_outlier,
+        "SkyRL off_policy_correction_utils.py compute_outlier_token_mask @ a956457",
+    ),
 }
 # the 'lo_hi' threshold each verl k1 preset stands for (verl's own spelling)
 VERL_K1_SPECS = {

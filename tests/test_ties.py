@@ -139,6 +139,8 @@ def _spaces(spec: str, rule) -> list[tuple[str, float]]:
     if name in ("ppo-clip", "dual-clip"):
         out = [(ratio, 1 - v["eps_low"]), (ratio, 1 + v["eps_high"])]
         return out + ([("ratio", v["c"])] if "c" in v else [])
+    if name == "veto" and arith == "ratio-clamp":  # SkyRL: safe_exp(l) < low, ratio space
+        return [("ratio", v["v"])]
     if name == "veto":  # l against log(torch.tensor(v)), a float32 tensor
         t = float(torch.log(torch.tensor(v["v"])))
         return [("l", t)]

@@ -308,22 +308,34 @@ class Veto(Rule):
             "v", "ratio below which one token vetoes its sequence", "1e-8:0.99:121:log", domain=UNIT
         ),
     )
-    presets = {"slime": {"v": 1e-4}}
+    presets = {"slime": {"v": 1e-4}, "skyrl": {"v": 1e-4}}
     preset_notes = {
         "slime": "calculate_veto_mask: l < log(torch.tensor(1e-4)), the log of a float32 "
         "tensor whatever the log-probs' dtype (rs_veto_threshold 1.0e-4 in mis.yaml)",
+        "skyrl": "compute_outlier_token_mask with outlier_token_is_threshold_low only: a "
+        "sequence is masked when any token has exp(clip(l, -20, 20)) < low (safe_exp_delta, "
+        "float32), strict; 1e-4 is SkyRL's docs' example (its default is None: off). Its "
+        "outlier_token_is_threshold_high side (any token's ratio > high) has no rule here",
     }
-    preset_arith = {"slime": "log-tensor"}
-    preset_sources = {"slime": f"{SLIME_TIS} calculate_veto_mask"}
+    preset_arith = {"slime": "log-tensor", "skyrl": "ratio-clamp"}
+    preset_sources = {
+        "slime": f"{SLIME_TIS} calculate_veto_mask",
+        "skyrl": f"{SKYRL_OPC} compute_outlier_token_mask (token_under_low, line 114)",
+    }
     v: float | None = 1e-4
 
     def threshold(self, param, value):
         if self.arith == "log-tensor":  # torch.tensor(v) is float32, its log too
             return -tensor_log(value, "float32")
+        if self.arith == "ratio-clamp":  # masked iff min_t exp(clip(l_t)) < v
+            return -float(value)
         return -safe_log(value)
 
     def score(self, s, param):
-        return as_f64(-self.X.cast(self.seq_stat(s, "min_l")))
+        m = self.seq_stat(s, "min_l")
+        if self.arith == "ratio-clamp":  # exp is monotone: the min ratio is exp(min l)
+            return as_f64(-_seq_ratio(self, m, True))
+        return as_f64(-self.X.cast(m))
 
 
 @register
