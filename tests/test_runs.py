@@ -456,3 +456,155 @@ def test_token_writer_rewards_and_the_verl_hook(tmp_path):
         hooks.verl_batch(w, batch, step=2)
     got = _read(tmp_path / "verl")
     assert got["reward"].to_list() == [[1.0, 0.0, 1.0, 0.0][s] for s in got["sample_id"]]
+
+
+def renamed(path: Path, out: Path) -> Path:
+    """The log with its own column names (as another trainer writes them)."""
+    names = {"trainer_logprob": "actor_lp", "inference_logprob": "rollout_lp", "sample_id": "uid"}
+    pl.read_parquet(path).rename(names).write_parquet(out)
+    return out
+
+
+RUN_MAP = ["trainer_logprob=actor_lp", "inference_logprob=rollout_lp", "sample_id=uid"]
+
+
+def test_run_map_gives_each_run_the_drift_of_its_log_with_that_map(tmp_path):
+    """--run-map NAME:CANONICAL=THEIRS is that run's --map: a run whose log uses other names
+    gets the drift `drift LOG --map ...` gives that log, the canonical run the drift of its
+    own; without the map the renamed run cannot be read."""
+    up = drift_log(tmp_path / "up.parquet", drift_from=12)
+    theirs = renamed(
+        drift_log(tmp_path / "late.parquet", drift_from=15, seed=8), tmp_path / "t.parquet"
+    )
+    runs = ["--run", f"up={up}", "--run", f"late={theirs}", "--run-rule", "up=ipo"]
+    maps = [x for m in RUN_MAP for x in ("--run-map", f"late:{m}")]
+    r = runner.invoke(app, ["drift", *runs, *maps, "-r", ICEPOP, "--json"])
+    assert r.exit_code == 0, r.stderr
+    got = {x["run"]: x["drift"] for x in json.loads(r.stdout)["runs"]}
+    for name, args in (
+        ("up", [str(up), "-r", "ipo", "-r", ICEPOP]),
+        ("late", [str(theirs), *[x for m in RUN_MAP for x in ("--map", m)], "-r", ICEPOP]),
+    ):
+        alone = runner.invoke(app, ["drift", *args, "--json"])
+        assert alone.exit_code == 0, alone.stderr
+        want = json.loads(alone.stdout)
+        for key in ("precision_notes", "schema_version"):  # the whole output's, not drift's
+            want.pop(key, None)
+        assert got[name] == want, name
+    assert got["late"] != got["up"]
+    r = runner.invoke(app, ["drift", *runs, "-r", ICEPOP, "--json"])  # no map: not readable
+    assert r.exit_code != 0 and "trainer_logprob" in r.stderr
+
+
+def test_with_read_options_merges_the_shared_ones(tmp_path):
+    """The shared read options apply to every run; a run's own --run-map adds to (and wins
+    over) the shared mapping, --run-format replaces the shared format, --run-probs sets probs."""
+    from mismatch_replay.cli.runs import with_read_options
+
+    runs = parse_runs(["a=x.parquet", "b=y.jsonl"])
+    shared = ingest.ReadOptions(mapping={"advantage": "adv", "entropy": "ent"}, batch_rows=7)
+    a, b = with_read_options(
+        runs,
+        shared,
+        ["b:entropy=H", "b:reward=score", "b:entropy=H2"],
+        ["b=jsonl"],
+        ["b"],
+    )
+    assert a.options == shared
+    assert b.options.mapping == {"advantage": "adv", "entropy": "H2", "reward": "score"}
+    assert b.options.format == "jsonl" and b.options.probs and b.options.batch_rows == 7
+    (c,) = with_read_options(
+        parse_runs(["c=z"]), ingest.ReadOptions(format="jsonl"), (), ["c=auto"]
+    )
+    assert c.options.format is None  # auto: detected from the paths
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["--run-map", "zz:entropy=H"], "--run-map 'zz:entropy=H': no --run names 'zz' (runs: a)"),
+        (["--run-map", "a=entropy"], "--run-map 'a=entropy': give NAME:CANONICAL=THEIRS"),
+        (["--run-map", "a:entropy"], "--run-map 'a:entropy': give NAME:CANONICAL=THEIRS"),
+        (["--run-format", "a"], "--run-format 'a': give NAME=FORMAT"),
+        (["--run-format", "a=csv"], "run 'a': unknown format 'csv'; known formats: auto,"),
+        (["--run-format", "zz=jsonl"], "--run-format 'zz=jsonl': no --run names 'zz'"),
+        (["--run-format", "a=jsonl", "--run-format", "a=parquet"], "run 'a' is given two formats"),
+        (["--run-probs", "zz"], "--run-probs 'zz': no --run names 'zz'"),
+    ],
+)
+def test_cli_run_read_option_errors(args, text):
+    r = runner.invoke(app, ["drift", "--run", "a=x.parquet", *args])
+    assert r.exit_code == 2, r.output
+    assert text in " ".join(r.stderr.split())
+
+
+def test_cli_run_read_options_need_runs():
+    r = runner.invoke(app, ["drift", "x.parquet", "--run-map", "a:entropy=H"])
+    assert r.exit_code == 2
+    assert "--run-map gives a run's own read options; give the runs with --run too" in " ".join(
+        r.stderr.split()
+    )
+
+
+TWO_OWN = ("ipo:eps=0.05", "icepop:low=0.0001,high=10000")
+
+
+def test_every_own_rule_in_the_table_and_the_verdicts(tmp_path):
+    """A run with two own rules: the long table holds both (own_rule / masked_own, then
+    own_rule_2 / masked_own_2), each equal to drift's masked fraction of that rule; the
+    CLI's step table has a column, and the verdict table a row, for each."""
+    up = drift_log(tmp_path / "up.parquet", drift_from=12)
+    quiet = drift_log(tmp_path / "quiet.parquet", drift_from=None, seed=9)
+    res = drift_runs([Run("up", (up,), rules=TWO_OWN), Run("quiet", (quiet,), rules=("ipo",))])
+    t = res.table
+    assert {"own_rule_2", "masked_own_2"} <= set(t.columns) and "own_rule_3" not in t.columns
+    alone = analysis.drift([up], rules=list(TWO_OWN))
+    want = {s.step: s.masked for s in alone.steps}
+    for row in t.filter(pl.col("run") == "up").iter_rows(named=True):
+        assert row["own_rule"] == TWO_OWN[0] and row["own_rule_2"] == TWO_OWN[1]
+        assert row["masked_own"] == want[row["step"]][TWO_OWN[0]]
+        assert row["masked_own_2"] == want[row["step"]][TWO_OWN[1]]
+    q = t.filter(pl.col("run") == "quiet")
+    assert q["own_rule_2"].null_count() == q.height == q["masked_own_2"].null_count()
+    v = res["up"].verdict
+    assert v.rule_verdicts[TWO_OWN[0]] == "rose with the mismatch"
+    assert v.rule_verdicts[TWO_OWN[1]] == COLLAPSE and v.collapse is True
+    args = ["drift", "--run", f"up={up}", "--run", f"quiet={quiet}", "--run-rule", "quiet=ipo"]
+    args += [x for s in TWO_OWN for x in ("--run-rule", f"up={s}")]
+    r = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.stderr
+    verdicts = r.stdout[r.stdout.index("verdict per run") :]
+    rows = [ln.split("│") for ln in verdicts.splitlines() if "│" in ln]
+    cells = [[c.strip() for c in row] for row in rows]
+    assert [c[0] for c in cells] == ["up", "", "quiet"]
+    assert [c[-1] for c in cells] == ["rose", "flat: collapse signature", "no drift"]
+    assert cells[1][4].startswith("icepop:low=0.0001")
+    steps = r.stdout[: r.stdout.index("verdict per run")]
+    assert "eps=0.05" in steps and "low=0.0001" in steps and "eps=0.3" in steps
+    row12 = next(ln for ln in steps.splitlines() if ln.strip().startswith("12 "))
+    # step; up: k3, its two rules, entropy; quiet: k3, its rule, entropy
+    cells12 = [c.strip() for c in row12.split("│")]
+    assert len(cells12) == 8
+    assert cells12[2] == f"{100 * want[12][TWO_OWN[0]]:.3g}%"
+
+
+@pytest.mark.slow
+def test_runs_png_draws_every_own_rule(tmp_path):
+    """runs.png's masked panel: a line for each own rule of a run, in the run's colour, one
+    line style a rule; a rule at 0 at every step says so in the legend."""
+    from mismatch_replay.viz.runs import RUN_COLORS, runs_figure
+
+    up = drift_log(tmp_path / "up.parquet", drift_from=12)
+    quiet = drift_log(tmp_path / "quiet.parquet", drift_from=None, seed=9)
+    res = drift_runs([Run("up", (up,), rules=TWO_OWN), Run("quiet", (quiet,), rules=("ipo",))])
+    fig = runs_figure(res.table)
+    lines = {ln.get_gid(): ln for ln in fig.axes[1].get_lines()}
+    assert set(lines) == {"masked_own:up", "masked_own_2:up", "masked_own:quiet"}
+    a, b = lines["masked_own:up"], lines["masked_own_2:up"]
+    assert a.get_color() == b.get_color() == RUN_COLORS[0]
+    assert a.get_linestyle() != b.get_linestyle()
+    t = res.table.filter(pl.col("run") == "up")
+    assert np.allclose(b.get_ydata(), 100 * t["masked_own_2"].to_numpy())
+    labels = fig.axes[1].get_legend_handles_labels()[1]
+    assert labels[1] == "up: IcePop low=0.0001, high=10000: 0 at every step"
+    assert fig.axes[1].get_ylabel().startswith("masked, own rules")

@@ -190,11 +190,16 @@ class RunsResult(Presentable):
     @property
     def table(self) -> pl.DataFrame:
         """One row per run and step: k3 (mean, trimmed), entropy, reward, the masked
-        fraction under the run's own (first) rule and under each shared rule, the flags."""
+        fraction under the run's own rule (`own_rule`, `masked_own`; a run's second own rule
+        in `own_rule_2`, `masked_own_2`, and so on, as many as the run with most has), under
+        each shared rule, the flags."""
         rows = []
+        owns = {rr.run.name: own_labels(rr.run.rules) for rr in self.runs}
+        most = max((len(v) for v in owns.values()), default=0)
+        extra = [f"_{k}" for k in range(2, most + 1)]
         for rr in self.runs:
-            own = rr.run.rules[0] if rr.run.rules else None
-            own_label = parse_rule(own).spec() if own else None
+            labels = owns[rr.run.name]
+            own_label = labels[0] if labels else None
             for s in rr.drift.steps:
                 row = {
                     "run": rr.run.name,
@@ -207,11 +212,18 @@ class RunsResult(Presentable):
                     "own_rule": own_label,
                     "masked_own": s.masked.get(own_label) if own_label else None,
                 }
+                for k, suffix in enumerate(extra, start=1):
+                    lab = labels[k] if k < len(labels) else None
+                    row[f"own_rule{suffix}"] = lab
+                    row[f"masked_own{suffix}"] = s.masked.get(lab) if lab else None
                 for spec in self.rules:
                     row[f"masked:{spec}"] = s.masked.get(spec)
                 row["drift"] = s.drift
                 row["spike"] = s.spike
                 rows.append(row)
+        extra_schema: dict[str, pl.DataType] = {}
+        for x in extra:
+            extra_schema |= {f"own_rule{x}": pl.String, f"masked_own{x}": pl.Float64}
         schema = {
             "run": pl.String,
             "step": pl.Int64,
@@ -222,6 +234,7 @@ class RunsResult(Presentable):
             "reward_mean": pl.Float64,
             "own_rule": pl.String,
             "masked_own": pl.Float64,
+            **extra_schema,
             **{f"masked:{spec}": pl.Float64 for spec in self.rules},
             "drift": pl.Boolean,
             "spike": pl.Boolean,
@@ -314,6 +327,11 @@ class _Rewards:
         return {s: r for s, r in g.iter_rows() if r is not None}, "sequences"
 
 
+def own_labels(specs: Sequence[str]) -> list[str]:
+    """A run's own rule SPECs as the result names them (`Rule.spec()`), each once, in order."""
+    return list(dict.fromkeys(parse_rule(s).spec() for s in specs))
+
+
 def _weighted_k3(rows) -> float:
     tok = sum(r.tokens for r in rows)
     return sum(r.kl_k3 * r.tokens for r in rows) / tok if tok else math.nan
@@ -326,7 +344,7 @@ def verdict_of(name: str, d: DriftResult, own: Sequence[str]) -> RunVerdict:
     b, lt = _weighted_k3(early), _weighted_k3(late)
     bt = float(np.median([r.kl_k3_trimmed for r in early]))
     lt_t = float(np.median([r.kl_k3_trimmed for r in late]))
-    labels = [parse_rule(s).spec() for s in own]
+    labels = own_labels(own)
     verdicts = {v.rule: v.verdict for v in d.rules}
     collapse = any(verdicts.get(lab) == COLLAPSE for lab in labels) if labels else None
     return RunVerdict(

@@ -55,7 +55,7 @@ RunOpt = Annotated[
         metavar="NAME=SOURCES",
         help="One arm of an ablation (repeatable; the same NAME again adds sources to it), "
         "e.g. --run ipo=logs/ipo --run icepop=logs/icepop: each run replayed alone, side by "
-        "side, with the read options above.",
+        "side, with the read options above (a run's own: --run-map, --run-format, --run-probs).",
     ),
 ]
 RunConfigOpt = Annotated[
@@ -75,6 +75,32 @@ RunRuleOpt = Annotated[
         metavar="NAME=SPEC",
         help="The run's own rule given as a SPEC (repeatable), e.g. --run-rule "
         "icepop=icepop@prime-rl; -r rules apply to every run.",
+    ),
+]
+# per-run read options: the run's own --map / --format / --probs over the shared ones
+RunMapOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run-map",
+        metavar="NAME:CANONICAL=THEIRS",
+        help="That run's --map (repeatable), e.g. --run-map icepop:trainer_logprob=lp_train; "
+        "added to the shared --map, the run's wins for a column both map.",
+    ),
+]
+RunFormatOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run-format",
+        metavar="NAME=FORMAT",
+        help="That run's --format, in place of the shared one, e.g. --run-format icepop=jsonl.",
+    ),
+]
+RunProbsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run-probs",
+        metavar="NAME",
+        help="That run's mapped columns hold probabilities (its --probs; repeatable).",
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")]

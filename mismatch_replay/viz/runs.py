@@ -5,8 +5,9 @@ Design
 One figure, panels stacked on a shared x = step, one colour a run (Okabe & Ito, in the
 order the runs were given): the mismatch KL k3 (token mean, log y) with each run's first
 drift step marked by a dotted vertical line of its colour; the masked fraction under each
-run's own rule (percent of loss tokens, linear: a rule that stays flat while its run's k3
-climbs is the collapse signature, and a flat line near zero must look flat); the trainer
+of a run's own rules (its colour, one line style and marker a rule: solid, dashed,
+dash-dot; percent of loss tokens, linear: a rule that stays flat while its run's k3 climbs
+is the collapse signature, and a flat line near zero must look flat); the trainer
 entropy's token mean; the mean reward. The entropy and reward panels are drawn only where
 some run logged them. It takes computed data only: `RunsResult.table` (one row per run and
 step, analysis/runs.py) and, optionally, each run's departure step; it never reads tokens.
@@ -23,11 +24,28 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from ..gcpause import paused
-from .style import LABEL, NOTE, OKABE_ITO, SMALL, draw_line, light_log_ticks
+from .style import LABEL, NOTE, OKABE_ITO, SMALL, draw_line, light_log_ticks, spec_label
 
 # run colours: Okabe & Ito without black and yellow (a thin yellow line vanishes on white)
 RUN_COLORS = tuple(OKABE_ITO[k] for k in ("blue", "vermillion", "bluish_green", "reddish_purple",
                                           "orange", "sky_blue"))  # fmt: skip
+
+
+# a run's own rules in the masked panel: (line style, marker), the first solid with dots
+# (dotted lines are the departure steps)
+OWN_STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), ((0, (6, 2, 1, 2, 1, 2)), "D"))
+
+
+def own_label(spec: str, pct: pl.Series | None = None) -> str:
+    """A run's own rule in the legend: `spec_label` with its numbers to 4 significant
+    digits (verl's 1/0.6 is 1.667); a line at 0 at every step (hidden under another) says so."""
+    import re
+
+    text = re.sub(r"\d+\.\d{4,}", lambda m: f"{float(m.group()):.4g}", spec_label(spec))
+    seen = pct.drop_nulls().drop_nans() if pct is not None else None
+    if seen is not None and seen.len() and (seen == 0).all():
+        text += ": 0 at every step"
+    return text
 
 
 def panels_of(table: pl.DataFrame) -> list[str]:
@@ -67,29 +85,39 @@ def runs_figure(
     col = run_colors(names, colors)
     mk = "o" if table.filter(pl.col("run") == names[0]).height <= 60 else None
     departs = departs or {}
+    # a run's own rules: own_rule / masked_own, then own_rule_2 / masked_own_2, ...
+    more = [c.removeprefix("masked_own") for c in table.columns if c.startswith("masked_own_")]
+    suffixes = ["", *sorted(more, key=lambda x: int(x[1:]))]
     for name in names:
         t = table.filter(pl.col("run") == name).sort("step")
         x = t["step"].to_numpy().astype(float)
-        own = t["own_rule"].drop_nulls()
         for a, panel in zip(axes, panels, strict=True):
-            if panel == "k3":
-                y = t["kl_k3"].to_numpy().astype(float)
-                y = np.where(y > 0, y, np.nan)
-                label = name
-            elif panel == "masked_own":
-                y = 100 * t["masked_own"].cast(pl.Float64).fill_null(np.nan).to_numpy()
-                label = f"{name}: {own[0]}" if own.len() else f"{name}: no rule of its own"
+            if panel == "masked_own":  # one line a rule of the run's own, a style each
+                for k, suffix in enumerate(suffixes):
+                    own = t[f"own_rule{suffix}"].drop_nulls()
+                    if k and not own.len():
+                        continue
+                    y = 100 * t[f"masked_own{suffix}"].cast(pl.Float64).fill_null(np.nan)
+                    label = f"{name}: {own_label(own[0], y)}" if own.len() else (
+                        f"{name}: no rule of its own")  # fmt: skip
+                    st = OWN_STYLES[k % len(OWN_STYLES)]
+                    draw_line(a, x, y.to_numpy(), gid=f"masked_own{suffix}:{name}", label=label,
+                              color=col[name], lw=1.6, ls=st[0], marker=mk and st[1],
+                              ms=3)  # fmt: skip
             else:
-                y = t[panel].cast(pl.Float64).fill_null(np.nan).to_numpy()
-                label = name
-            draw_line(a, x, y, gid=f"{panel}:{name}", label=label, color=col[name], lw=1.6,
-                      marker=mk, ms=3)  # fmt: skip
+                if panel == "k3":
+                    y = t["kl_k3"].to_numpy().astype(float)
+                    y = np.where(y > 0, y, np.nan)
+                else:
+                    y = t[panel].cast(pl.Float64).fill_null(np.nan).to_numpy()
+                draw_line(a, x, y, gid=f"{panel}:{name}", label=name, color=col[name], lw=1.6,
+                          marker=mk, ms=3)  # fmt: skip
             at = departs.get(name)
             if at is not None:
                 a.axvline(at, color=col[name], ls=":", lw=1.2, gid=f"departs:{name}")
     titles = {
         "k3": "mismatch KL k3 (token mean)",
-        "masked_own": "masked, own rule (% of tokens)",
+        "masked_own": f"masked, own rule{'s' if len(suffixes) > 1 else ''} (% of tokens)",
         "entropy_mean": "trainer entropy (mean)",
         "reward_mean": "reward (mean)",
     }
@@ -102,8 +130,10 @@ def runs_figure(
             light_log_ticks(a)
             a.legend(fontsize=SMALL, frameon=False, loc="upper left", ncols=min(len(names), 4))
         elif panel == "masked_own":
-            a.set_ylim(bottom=0)
-            a.legend(fontsize=NOTE, frameon=False, loc="upper left")
+            n = len(a.get_legend_handles_labels()[1])
+            ncols = 1 if n <= 3 else 2
+            a.set_ylim(0, a.get_ylim()[1] * (1 + 0.14 * -(-n // ncols)))  # room for the legend
+            a.legend(fontsize=NOTE, frameon=False, loc="upper left", ncols=ncols)
     axes[-1].set_xlabel("step", fontsize=LABEL)
     marked = [f"{n} {departs[n]}" for n in names if departs.get(n) is not None]
     if marked:
