@@ -30,9 +30,17 @@ tokens there; a count over most of the coordinate (`cover`'s union grid, a refin
 read off the sorted scores instead (`sorted_counts`, no view kept). A view keeps input
 order, so every sum over masked tokens is added in the order it would be over all of them;
 the grouped tables and compare's table compute q and |dp| for the masked tokens only
-(`batch`), the same values elementwise as for every kept token. The grouped tables leave
-what a mask costs (readout.COST_COLUMNS) null: the tail keeps no group's |A| and entropy
-totals; the sweep table has them.
+(`batch`), the same values elementwise as for every kept token.
+
+What a mask costs (readout.COST_COLUMNS) in the grouped tables (`_cost`): the masked
+tokens are all kept, with their log-probs, advantage and entropy, so each group's
+corrective and divergent masked tokens and their |A| and entropy sums come from them;
+each group's totals (the fraction's |A| denominator, entropy_mean) from the replay's own
+per-group sums: the kernel's per-q-bucket sums (`Tail.q_cost`), the per-sequence sums of
+a replay holding a sequence job (`Tally.seq_cost`: a sequence lies in one step and one
+length bucket) and the step Tally's entropy metrics. Counts are the plain replay's
+exactly, sums to the last bits; a column whose totals the replay did not keep stays null
+with a note.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import numpy as np
 
 from .. import engine
 from ..engine import readout
-from ..engine.bins import seq_count
+from ..engine.bins import direction_class, seq_count
 from ..engine.tally import sequence_bins
 from ..fast import bin_scores, executor, replicate_bins, threads
 from ..rules import TokenBatch
@@ -371,10 +379,36 @@ class TailCounts:
             return None
         return jobs
 
-    def _grouped(self, job: engine.Job, group_of, n, mass) -> tuple:
+    def _cost(self, bins: engine.JobBins, rows, bh, g, totals: dict) -> None:
+        """What a mask costs into a one-value job's group bins (`_grouped`'s): the masked
+        kept tokens `rows` (bins `bh`, groups `g`) by direction, their |A| and finite
+        entropies from the kept ones; bin 0 of the sums the rest of each group's `totals`
+        ("amass", "ent", "ent_n": (G,) each, those the replay kept). Bin 0 of the
+        corrective and divergent counts stays 0: no column reads it (the masked tokens
+        are the bins above it)."""
+        has_adv, has_ent = self.main.cost_columns
+        a = self.tail.arrays()
+        width = bins.count.shape[1]
+        idx = g * width + bh
+        size = bins.count.size
+        dirn = absadv = ent = None
+        if has_adv and "amass" in totals:
+            adv = a.get("advantage", np.zeros(0))[rows]
+            dirn, absadv = direction_class(a["lp"][rows], a["lq"][rows], adv), np.abs(adv)
+        if has_ent and "ent" in totals and "ent_n" in totals:
+            ent = a.get("entropy", np.zeros(0))[rows]
+        if dirn is None and ent is None:
+            return
+        bins.add_cost(idx, size, dirn, absadv, ent)
+        for name in ("amass",) * (dirn is not None) + ("ent", "ent_n") * (ent is not None):
+            arr = getattr(bins, name)
+            arr[:, 0] = np.asarray(totals[name], dtype=arr.dtype) - arr[:, 1:].sum(axis=1)
+
+    def _grouped(self, job: engine.Job, group_of, n, mass, totals=None) -> tuple:
         """A one-value job's bins (G x 3) with each masked token in group `group_of(rows,
         batch)[i]` (its kept-token indices and `batch` of them -> groups; -1: none), the rest
-        of each group from its totals `n` (tokens) and `mass` (|dp|), and its masked tokens'
+        of each group from its totals `n` (tokens) and `mass` (|dp|), what a mask costs
+        where `totals` has the groups' sums of it (`_cost`), and its masked tokens'
         (kept-token indices, bins). The groups and |dp| are computed for the masked tokens
         only (once per setting: by_q_bucket and attach_by_step share them), in input order:
         the same values, added in the same order, as read from every kept token's."""
@@ -392,6 +426,8 @@ class TailCounts:
         np.add.at(bins.mass, (g, bh), tb.abs_dp)
         bins.count[:, 0] = np.asarray(n, dtype=np.int64) - bins.count[:, 1:].sum(axis=1)
         bins.mass[:, 0] = mass - bins.mass[:, 1:].sum(axis=1)
+        if totals:
+            self._cost(bins, rows, bh, g, totals)
         return bins, rows, bh
 
     def by_q_bucket(self, rules) -> engine.Tally | None:
@@ -414,7 +450,8 @@ class TailCounts:
             return row[np.searchsorted(edges, tb.q, side="right") - 1]
 
         n, mass = t.q_counts[present], t.q_mass[present]
-        bins = [self._grouped(j, group_of, n, mass)[0] for j in jobs]
+        totals = {k: v[present] for k, v in t.q_cost.items()}
+        bins = [self._grouped(j, group_of, n, mass, totals)[0] for j in jobs]
         tally = engine.Tally(jobs, "q_bucket", scatter=False)
         tally.set_bins([float(edges[k]) for k in present], bins)
         return tally
@@ -445,15 +482,19 @@ class TailCounts:
         n_g = np.bincount(seq_group, weights=st.n, minlength=G)
         mass_g = np.bincount(seq_group, weights=mass, minlength=G)
         seq = a["seq"]
+        cost = main.seq_cost()
+        totals = seq_totals(cost, seq_group, G)
         done = iter(tjobs)
         jobs, bins = [], []
         for rule in rules:
             if rule.level == "sequence":
                 job = engine.single_job(rule)
-                got = sequence_bins(job, st, seq_group, G, mass)
+                got = sequence_bins(job, st, seq_group, G, mass, cost)
             else:
                 job = next(done)
-                got, rows, bh = self._grouped(job, lambda r, _: seq_group[seq[r]], n_g, mass_g)
+                got, rows, bh = self._grouped(
+                    job, lambda r, _: seq_group[seq[r]], n_g, mass_g, totals
+                )
                 sb = np.zeros(len(main.sequences))
                 np.maximum.at(sb, a["seq"][rows], bh.astype(float))
                 got.seq_count = seq_count(seq_group, sb, len(job.values) + 2, G)
@@ -462,6 +503,7 @@ class TailCounts:
             bins.append(got)
         tally = engine.Tally(jobs, "length", scatter=False)
         tally.set_bins([1 << int(v) for v in present], bins)
+        tally.notes += self._cost_notes(totals)
         return tally
 
     def attach_by_step(self, rules, by_step: engine.Tally) -> bool:
@@ -485,16 +527,39 @@ class TailCounts:
         group = order[pos]
         G = values.size
         n, mass = by_step.metrics.s["n"][:G], by_step.metrics.s["abs_dp"][:G]
+        # each step's |A| from the per-sequence sums (a sequence lies in one step), its
+        # entropy from the step Tally's metrics
+        totals = {
+            "ent": by_step.metrics.s["entropy"][:G],
+            "ent_n": by_step.metrics.s["entropy_n"][:G],
+        }
+        cost = self.main.seq_cost() if by_step.has_seq else None
+        if cost is not None and cost[1] is not None:
+            totals["amass"] = seq_totals(cost, by_step.sequences.group(), G)["amass"]
         bins, seq_bins = [], []
         for j in jobs:
-            got, rows, bh = self._grouped(j, lambda r, _: group[r], n, mass)
+            got, rows, bh = self._grouped(j, lambda r, _: group[r], n, mass, totals)
             bins.append(got)
             if by_step.has_seq:
                 sb = np.zeros(len(by_step.sequences))
                 np.maximum.at(sb, a["seq"][rows], bh.astype(float))
                 seq_bins.append(sb)
         by_step.attach(jobs, bins, seq_bins if by_step.has_seq else None)
+        by_step.notes += [w for w in self._cost_notes(totals) if w not in by_step.notes]
         return True
+
+    def _cost_notes(self, totals: dict) -> list[str]:
+        """Why a grouped table from the tail leaves columns of what a mask costs null
+        where the log has them: the replay kept no per-group totals of them."""
+        has_adv, _ = self.main.cost_columns
+        if has_adv and "amass" not in totals:
+            return [
+                "masked_corrective, masked_divergent, masked_neutral, "
+                "masked_corrective_fraction, masked_adv_mass and masked_adv_mass_fraction "
+                "are null in the grouped table: the replay kept no per-group |A| sums "
+                "(no sequence rule, or no sample_id)"
+            ]
+        return []
 
     def spread(self, job: engine.Job, unit: str) -> float | None:
         """The bootstrap's relative standard error of the masked fraction at the job's one
@@ -508,6 +573,21 @@ class TailCounts:
         f = total / n.sum()
         var = (c * c).sum() - 2.0 * f * (c * n).sum() + f * f * (n * n).sum()
         return float(np.sqrt(max(var, 0.0)) / total)
+
+
+def seq_totals(cost: tuple | None, seq_group: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """Each group's sums of what a mask costs ("amass", "ent", "ent_n") from the
+    per-sequence sums `cost` (Tally.seq_cost; None: none) and each sequence's group."""
+    out: dict[str, np.ndarray] = {}
+    if cost is None:
+        return out
+    _, amass, ent = cost
+    if amass is not None:
+        out["amass"] = np.bincount(seq_group, weights=amass, minlength=G)[:G]
+    if ent is not None:
+        out["ent"] = np.bincount(seq_group, weights=ent[0], minlength=G)[:G]
+        out["ent_n"] = np.bincount(seq_group, weights=ent[1], minlength=G)[:G]
+    return out
 
 
 def replicate_tokens(n: np.ndarray, wt: np.ndarray) -> np.ndarray:

@@ -8,12 +8,13 @@ tokens at thresholds nobody knew before the pass: a second pass over the log, as
 But those thresholds mask few tokens, and only the tokens far out on some coordinate of the
 fused kernel (fast/coordinates.py: dp, l, the binary KLs) can be masked at all. So a Tally
 given a `Tail` keeps, for every coordinate of its program, the tokens at or beyond two
-cutoffs (`cut`, one per side), with their log-probs, advantage, sequence id, step and the
-position columns the log has: the kernel sets a bit per coordinate in one pass it already
+cutoffs (`cut`, one per side), with their log-probs, advantage, entropy, sequence id, step and
+the position columns the log has: the kernel sets a bit per coordinate in one pass it already
 makes (`jit.coord_pass`, flags[F_TAIL]) and writes the kept tokens' log-probs, advantage
 and sequence out while it holds them (a gather from the batch's columns afterwards missed
 the cache on every token); `add` copies those and gathers the log's other kept columns. The kernel
-also counts every token's inference-probability bucket (`q_counts`) and, asked to, `add`
+also counts every token's inference-probability bucket (`q_counts`, with each bucket's
+|dp|, |A| and entropy sums: `q_mass`, `q_cost`) and, asked to, `add`
 counts each step's tokens (`step_counts`): the totals a 2 x 2 table or a bootstrap over
 steps needs besides the kept tokens.
 
@@ -30,7 +31,8 @@ replay's at a grid value, every masked token there is kept, and so at every stri
 (a token rule's masked set shrinks as its threshold rises). A job the tail does not cover
 where a consumer needs it falls back to a pass over the log: the same counts either way.
 
-Memory: 44 bytes a kept token (log-probs, advantage, bits, row, sequence id), 68 with the
+Memory: 44 bytes a kept token (log-probs, advantage, bits, row, sequence id; 8 more with
+an entropy column, the masked tokens' cost in the grouped tables), 68 with the
 `extra` columns compare's examples name (step, sample id, position; `choose` keeps step
 only for a bootstrap over steps, and counts no q buckets: `count_q`): in `choose` with a
 0.25% target on the benchmark log, 4.4% of the tokens, 37 MiB at 20M tokens and 93 MiB at
@@ -100,6 +102,10 @@ class Tail:
     # tokens per inference-probability bucket (bins.Q_BUCKET_EDGES), counted by the kernel
     q_counts: np.ndarray | None = None
     q_mass: np.ndarray | None = None  # ... and the |dp| of those tokens, summed
+    # ... and what a mask costs per bucket (runner.BatchOut.q_cost): "amass" the |A| sums,
+    # "ent", "ent_n" the finite entropies' sums and counts (those of the log's columns)
+    q_cost: dict[str, np.ndarray] = field(default_factory=dict)
+    keep_entropy: bool = True  # keep each kept token's entropy (where the log has one)
     # what consumers derive from the kept tokens once per replay (analysis/tail_counts.py)
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     _joined: dict[str, np.ndarray] | None = None
@@ -162,6 +168,8 @@ class Tail:
             src["advantage"] = adv
         if seq is not None:
             src["seq"] = seq
+        if self.keep_entropy and "entropy" in df.columns:  # what a masked token costs
+            src["entropy"] = df["entropy"].to_numpy()
         for c in self.extra:
             if c in df.columns:
                 src[c] = df[c].to_numpy()
@@ -214,9 +222,13 @@ class Tail:
         self.kept = end
         self._joined = None
 
-    def add_q_counts(self, counts: np.ndarray | None, mass: np.ndarray | None = None) -> None:
-        """Add a batch's tokens per q bucket and their |dp| sums (None: the kernel counted
-        none)."""
+    def add_q_counts(
+        self, counts: np.ndarray | None, mass: np.ndarray | None = None, cost: dict | None = None
+    ) -> None:
+        """Add a batch's tokens per q bucket, their |dp| sums and their `cost` sums (q_cost;
+        None: the kernel counted none)."""
+        for k, v in (cost or {}).items():
+            self.q_cost[k] = v.copy() if k not in self.q_cost else self.q_cost[k] + v
         if counts is not None:
             self.q_counts = counts.copy() if self.q_counts is None else self.q_counts + counts
         if mass is not None:

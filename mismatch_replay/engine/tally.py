@@ -382,7 +382,7 @@ class Tally(Leading, Grouping, Presentable):
             f._staged = (*f._staged[:3], (out.follow, out.seq, seq))
         if self.tail is not None:
             self._keep_tail(out.tail, df, lp, lq, adv, seq)
-            self.tail.add_q_counts(out.q_counts, out.q_mass)
+            self.tail.add_q_counts(out.q_counts, out.q_mass, out.q_cost)
         self.metrics.add_sums(out.msum, out.mmax, G)
         if self.scatter:
             self.hist_lin += out.hist_lin.reshape(SCATTER_BINS, SCATTER_BINS)
@@ -730,6 +730,12 @@ class Tally(Leading, Grouping, Presentable):
             self.sequences.column("mass"),
             self.seq_cost(),
         )
+
+    @property
+    def cost_columns(self) -> tuple[bool, bool]:
+        """(advantage, entropy): the columns of what a mask costs the log has (decided on
+        the first batch; (False, False) before one)."""
+        return self._cost_cols if self._cost_cols is not None else (False, False)
 
     @property
     def _seq_cost(self) -> bool:

@@ -352,7 +352,8 @@ def coord_pass(
     some job masks it there) gets bit c in tbits (the engine keeps it: engine/tail.py).
     With flags[F_QB], qcnt[k] counts the tokens whose q falls in [qedges[k], qedges[k + 1])
     (np.searchsorted(qedges, q, "right") - 1; qedges[0] = 0) and qcnt[K + k] sums their
-    |dp| (K = len(qedges)).
+    |dp| (K = len(qedges)); qcnt[2K + k] their |A| (with an advantage), qcnt[3K + k] and
+    qcnt[4K + k] their finite entropies' sum and count (with an entropy column).
     With flags[F_TAIL], the tokens given a bit are also written out, block by block while
     their values are in cache, in input order from index lo on: tk_i[0] their batch index,
     tk_i[1] their sequence (sl; 0 without), tk_f[0..2] lp, lq and adv (0 without), tk_b
@@ -485,6 +486,13 @@ def coord_pass(
                     k += 1
                 qcnt[k] += 1.0
                 qcnt[nqe + k] += b_adp[t]
+                if has_adv:  # what a mask costs, per bucket: |A| (engine/tail.py)
+                    qcnt[2 * nqe + k] += abs(adv[start + t])
+                if has_ent:  # ... the finite entropies' sum and count
+                    e = ent[start + t]
+                    if math.isfinite(e):
+                        qcnt[3 * nqe + k] += e
+                        qcnt[4 * nqe + k] += 1.0
         # ---- classes, metrics, sequences, m2po
         for t in range(nb):
             i = start + t

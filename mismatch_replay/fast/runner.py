@@ -294,6 +294,9 @@ class BatchOut:
     tail: tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | None = None
     q_counts: np.ndarray | None = None  # with q_edges: tokens per q bucket
     q_mass: np.ndarray | None = None  # ... and their |dp| summed
+    # ... and what a mask costs per bucket: {"amass": |A| sums (with an advantage), "ent",
+    # "ent_n": finite entropies' sums and counts (with an entropy column)}
+    q_cost: dict[str, np.ndarray] | None = None
     # with follow=: (msum (G2, 15), mmax (G2, 2), seq_first by g2 group or None), a follower
     # Tally's metrics and first groups (Fused.run)
     follow: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
@@ -524,7 +527,8 @@ class Fused:
                 goff, span = got
                 if groups > 1:
                     g = np.asarray(g, np.int64) - np.repeat(goff, np.diff(bounds))
-        qcnt = np.zeros((nch, 2 * (qe.shape[0] if qb else 1) + PAD))  # counts, |dp| sums
+        # counts, |dp| sums, |A| sums, entropy sums and counts (jit's docstring)
+        qcnt = np.zeros((nch, 5 * (qe.shape[0] if qb else 1) + PAD))
         tk_n = np.zeros(nch, np.int64)  # each chunk's kept tokens
         nflag = np.zeros((nt, max(nc, 1) + PAD), np.int64)
         ms_rows = span if metrics else 1
@@ -721,6 +725,7 @@ class Fused:
             tail=_kept(bounds, tk_n, tk_i, tk_f, tk_b) if tail else None,
             q_counts=qcnt[:, : qe.shape[0]].sum(axis=0) if qb else None,
             q_mass=qcnt[:, qe.shape[0] : 2 * qe.shape[0]].sum(axis=0) if qb else None,
+            q_cost=_q_cost(qcnt, qe.shape[0], adv is not None, entropy is not None) if qb else None,
         )
 
     def _row(self) -> int:
@@ -827,6 +832,18 @@ class Fused:
 
 
 # ----------------------------------------------------------------------------- m2po
+
+
+def _q_cost(qcnt: np.ndarray, K: int, adv: bool, ent: bool) -> dict[str, np.ndarray]:
+    """Each q bucket's |A| sum and finite entropies' sum and count, summed over the
+    chunks in chunk order (BatchOut.q_cost; only those of the columns the log has)."""
+    out = {}
+    if adv:
+        out["amass"] = qcnt[:, 2 * K : 3 * K].sum(axis=0)
+    if ent:
+        out["ent"] = qcnt[:, 3 * K : 4 * K].sum(axis=0)
+        out["ent_n"] = qcnt[:, 4 * K : 5 * K].sum(axis=0)
+    return out
 
 
 def _kept(bounds, tk_n, tk_i, tk_f, tk_b) -> tuple[np.ndarray, np.ndarray, dict]:
