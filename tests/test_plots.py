@@ -617,6 +617,7 @@ def test_render_all_writes_and_refuses_overwrite(data, tmp_path):
             "steps",
             "where_masked",
             "masked_by_length",
+            "masked_direction",
         }
     )
     for name, p in paths.items():

@@ -69,7 +69,7 @@ def test_report_files(written):
 def test_report_is_self_contained(written):
     index, page = written
     uris = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert len(uris) == len(render.FIGURES) == 5
+    assert len(uris) == len(render.FIGURES) == 6  # masked_direction since 1a02320
     # the embedded bytes are the PNGs written next to the page, in figure order
     for name, uri in zip(render.FIGURES, uris, strict=True):
         assert base64.b64decode(uri) == (index.parent / f"{name}.png").read_bytes()

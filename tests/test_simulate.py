@@ -30,6 +30,7 @@ EXPECTED_TYPES = {
     "advantage": "double",
     "loss_mask": "bool",
     "env": "string",
+    "reward": "double",
 }
 
 
@@ -106,6 +107,13 @@ def test_schema_and_values(healthy_run):
         assert (adv == adv[:, :1]).all()
         groups = adv[:, 0].reshape(-1, cfg.group_size)
         np.testing.assert_allclose(groups.sum(1), 0.0, atol=1e-5)
+        # the sample's reward (a fraction of forks taken right) on each of its rows; the
+        # advantage is that reward minus its group's mean (Dr. GRPO, issue 34)
+        rew = d["reward"][sel].reshape(cfg.batch, n_pred)
+        assert (rew == rew[:, :1]).all() and ((rew >= 0) & (rew <= 1)).all()
+        r = rew[:, 0].reshape(-1, cfg.group_size)
+        np.testing.assert_allclose((r - r.mean(1, keepdims=True)).reshape(-1), adv[:, 0], atol=1e-6)
+        assert np.isclose(rew[:, 0].mean(), summary["reward_per_step"][step], rtol=1e-6)
         # prompts are shared inside a group: same prompt tokens, same env
         toks = d["token_id"][sel].reshape(cfg.batch, n_pred)[:, : cfg.prompt_len - 1]
         envs = d["env"][sel].reshape(cfg.batch, n_pred)
