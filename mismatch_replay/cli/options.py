@@ -65,7 +65,7 @@ RunConfigOpt = Annotated[
         metavar="NAME=FILE",
         help="The run's own trainer config (repeatable; later files win), as --from-config "
         "reads it: its rule is that run's own (masked_own), e.g. --run-config "
-        "icepop=configs/icepop.toml.",
+        "icepop=icepop.toml.",
     ),
 ]
 RunRuleOpt = Annotated[
@@ -74,7 +74,7 @@ RunRuleOpt = Annotated[
         "--run-rule",
         metavar="NAME=SPEC",
         help="The run's own rule given as a SPEC (repeatable), e.g. --run-rule "
-        "icepop=icepop@prime-rl; -r rules apply to every run.",
+        "ipo=ipo@prime-rl; -r rules apply to every run.",
     ),
 ]
 # per-run read options: the run's own --map / --format / --probs over the shared ones
@@ -83,7 +83,7 @@ RunMapOpt = Annotated[
     typer.Option(
         "--run-map",
         metavar="NAME:CANONICAL=THEIRS",
-        help="That run's --map (repeatable), e.g. --run-map icepop:trainer_logprob=lp_train; "
+        help="That run's --map (repeatable), e.g. --run-map icepop:advantage=adv; "
         "added to the shared --map, the run's wins for a column both map.",
     ),
 ]
