@@ -12,6 +12,7 @@ import pytest
 from test_pty import check, run_pty
 
 from mismatch_replay import analysis
+from mismatch_replay.analysis.diagnose import diagnose
 from mismatch_replay.viz.jobs import sample_path
 
 pytestmark = pytest.mark.slow
@@ -44,8 +45,11 @@ def test_demo_ends_with_the_findings_at_80_columns(tmp_path):
     # the same sentences as the library's, each whole, with its numbers
     got: dict = {}
     data, dec = analysis.report_data([sample_path()], None, 0.0025, bootstrap=200, summary=got)
-    found = analysis.findings(data, dec, log_format=got["summary"].format)
+    # demo runs diagnose too (b291108): its verdicts open the list, after the mismatch
+    diagnosis = diagnose([sample_path()])
+    found = analysis.findings(data, dec, log_format=got["summary"].format, diagnosis=diagnosis)
     assert shown == found.sentences
+    assert found.get("diagnose") is not None and found.get("mask_cost") is not None
     for f in found:
         assert f.numbers and all(n.text in f.sentence for n in f.numbers)
     assert found.get("mismatch").value("tokens") == data.tokens

@@ -268,8 +268,11 @@ def test_compare(cols, tmp_path):
 def test_drift(cols, tmp_path):
     out = check(*run_pty(["drift", GOLDEN], cols, tmp_path), cols, "drift", GOLDEN_ROWS)
     w = words(out)
-    # the four default settings, each header in full: ipo eps=0.3 vs eps=0.1, icepop's lows
-    assert {"eps=0.3", "eps=0.1", "low=0.2", "low=0.5", "high=5"} <= w
+    # the four default settings, each header and verdict the preset given in full (issue 36,
+    # 7ca9cc1: the tables name the SPEC given): ipo eps 0.3 vs 0.1, icepop's lows 0.2 vs 0.5
+    presets = ["ipo@prime-rl", "ipo@prime-rl-legacy", "icepop@prime-rl", "icepop@verl"]
+    assert set(presets) <= w
+    assert all(f"  {p}: no drift" in out for p in presets), out
     assert {"0.003339", "6.84e-05", "0.331%", "spike"} <= w
 
 

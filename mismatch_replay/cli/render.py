@@ -421,27 +421,11 @@ def print_check_failed(res) -> None:
     err.print(f"check failed: {n} of {len(res.verdicts)} limit(s) exceeded", highlight=False)
 
 
-def _sweep_table(
-    title: str, part, kind: str, by, seqs: bool, prime: bool, job: bool, groups: bool = False
-) -> Table:
-    """One table of sweep rows. job=False: every rule, one row per rule x value (x group);
-    job=True: the rows of one rule setting and swept parameter (the value column is headed
-    by the parameter's name; the rule is in the title)."""
-    from ..engine.readout import group_label
-
-    t = Table(title=escape(title), show_edge=False)
-    param = part["param"][0]
-    cols = [param] if job else ["rule [fixed]", "param", "value"]
-    cols += [by, "tokens"] if by else []
-    if kind == "mask":
-        cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
-        cols += ["groups all masked"] if groups else []
-        cols += ["is_masked/ mean"] if prime else []
-    else:
-        cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
-    # what the mask costs (issue 32): the masked (truncated) tokens' corrective share of the
-    # corrective + divergent ones, the |A| mass removed, their mean entropy; where logged
-    cost = [
+def _cost_columns(part) -> list[tuple[str, str]]:
+    """What the mask costs (issue 32), (column, header) where logged: the masked
+    (truncated) tokens' corrective share of the corrective + divergent ones, the |A| mass
+    removed, their mean entropy."""
+    return [
         (k, h)
         for k, h in (
             ("masked_corrective_fraction", "corrective"),
@@ -450,6 +434,38 @@ def _sweep_table(
         )
         if k in part.columns and part[k].null_count() < part.height
     ]
+
+
+def _sweep_table(
+    title: str,
+    part,
+    kind: str,
+    by,
+    seqs: bool,
+    prime: bool,
+    job: bool,
+    groups: bool = False,
+    columns: str = "all",
+) -> Table:
+    """One table of sweep rows. job=False: every rule, one row per rule x value (x group);
+    job=True: the rows of one rule setting and swept parameter (the value column is headed
+    by the parameter's name; the rule is in the title). columns: 'all', 'counts'
+    (all but the mask-cost ones) or 'cost' (the rows' keys and the mask-cost columns: a
+    narrow terminal's second table)."""
+    from ..engine.readout import group_label
+
+    t = Table(title=escape(title), show_edge=False)
+    param = part["param"][0]
+    counts = columns != "cost"
+    cols = [param] if job else ["rule [fixed]", "param", "value"]
+    cols += ([by, "tokens"] if counts else [by]) if by else []
+    if counts and kind == "mask":
+        cols += ["masked", "masked n"] + (["seqs masked"] if seqs else []) + ["|dp| masked"]
+        cols += ["groups all masked"] if groups else []
+        cols += ["is_masked/ mean"] if prime else []
+    elif counts:
+        cols += ["truncated", "truncated n", "w mean", "w max", "ESS"]
+    cost = _cost_columns(part) if columns != "counts" else []
     cols += [h for _, h in cost]
     for c in cols:
         left = c in ("rule [fixed]", "param")
@@ -468,8 +484,8 @@ def _sweep_table(
             row = [label if label != prev else "", r["param"], value]
         prev, prev_value = label, value
         if by:
-            row += [group_label(by, r[by]), fmt_num(r["tokens"])]
-        if kind == "mask":
+            row += [group_label(by, r[by])] + ([fmt_num(r["tokens"])] if counts else [])
+        if counts and kind == "mask":
             row += [pct(r["masked_fraction"]), fmt_num(r["masked_tokens"])]
             if seqs:
                 row.append(pct(r["masked_sequence_fraction"]))
@@ -478,7 +494,7 @@ def _sweep_table(
                 row.append(pct(r["fully_masked_group_fraction"]))
             if prime:
                 row.append(pct(r["is_masked_mean"]))
-        else:
+        elif counts:
             row += [
                 pct(r["truncated_fraction"]),
                 fmt_num(r["truncated_tokens"]),
@@ -494,7 +510,8 @@ def _sweep_table(
 def print_sweep(df, by: str | None, all_rows: bool) -> None:
     """The sweep as tables: one per kind (mask, weight) with a row per rule x value (x
     group); where that does not fit the terminal without breaking a number or a rule
-    parameter, folded into one table per rule setting."""
+    parameter, the mask-cost columns in a second table of the same rows; where even that
+    does not fit, folded into one table per rule setting (split the same way if need be)."""
     import polars as pl
 
     from ..engine.readout import TOKEN_GROUPS, loss_tokens, preview, prompt_groups
@@ -514,17 +531,37 @@ def print_sweep(df, by: str | None, all_rows: bool) -> None:
         if part.height == 0:
             continue
         verb = "masked" if kind == "mask" else "truncated"
-        t = _sweep_table(
-            f"{verb} by each {kind} rule{of}", part, kind, by, seqs, prime, False, groups
-        )
+        title = f"{verb} by each {kind} rule{of}"
+        t = _sweep_table(title, part, kind, by, seqs, prime, False, groups)
         if fit(t):
             out.print(t)
             continue
-        for _, job in part.group_by(["spec", "param"], maintain_order=True):
-            label = given_label(job["spec"][0], job["param"][0])
-            title = f"{verb} by {label}, {job['param'][0]} swept{of}"
+        # too wide with the mask-cost columns: those in a second table of the same rows
+        if _cost_columns(part):
+            lean = _sweep_table(title, part, kind, by, seqs, prime, False, groups, "counts")
+            title = f"what each {kind} rule's {verb} tokens cost"
+            cost = _sweep_table(title, part, kind, by, seqs, prime, False, groups, "cost")
+            if fit(lean) and fit(cost):
+                out.print(lean)
+                out.print(cost)
+                continue
+        # one table per rule setting and swept parameter (a job; its rows' specs differ in
+        # the swept value only, so the label without that parameter names the job)
+        labels = [given_label(s, p) for s, p in zip(part["spec"], part["param"], strict=True)]
+        part = part.with_columns(pl.Series("_label", labels, dtype=pl.String))
+        for (label, param), job in part.group_by(["_label", "param"], maintain_order=True):
+            if by:  # a value's groups together, the values in their order: the value once
+                vals = dict.fromkeys(job["value"].to_list())
+                job = pl.concat([job.filter(pl.col("value") == v) for v in vals])
+            title = f"{verb} by {label}, {param} swept{of}"
             t = _sweep_table(title, job, kind, by, seqs, prime, True, groups)
-            show(t)
+            if fit(t) or not _cost_columns(job):
+                show(t)
+                continue
+            # still too wide: the counts, then what the mask costs, in a table each
+            show(_sweep_table(title, job, kind, by, seqs, prime, True, groups, "counts"))
+            title = f"what {label}'s {verb} tokens cost, {param} swept"
+            show(_sweep_table(title, job, kind, by, seqs, prime, True, groups, "cost"))
     if by in TOKEN_GROUPS:
         err.print(
             f"[dim]note: --by {by} groups tokens, and a sequence spans groups: the sequence "
@@ -612,26 +649,40 @@ def print_compare(res, budget: float | None) -> None:
         )
     title = f"{'   '.join(sides)}   ({res.tokens:,} loss tokens)"
     title += f"; both at the {pct(budget)} budget" if res.settings else ""
-    t = Table(title=escape(title), show_edge=False)
-    cost = res.cells["neither"].corrective is not None  # the log has an advantage
-    heads = ["", "tokens", "fraction", "mean q (infer)", "mean p (train)", "|dp| mass"]
-    heads += ["corrective", "divergent", "|A| mass"] if cost else []
-    for c in heads:
-        t.add_column(c, justify="left" if not c else "right")
     names = {"both": "masked by both", "only_a": "only A", "only_b": "only B", "neither": "neither"}
-    for k, label in names.items():
-        c = res.cells[k]
-        add_row(
-            t,
-            label,
-            f"{c.tokens:,}",
-            pct(c.fraction),
-            fmt_num(c.mean_q),
-            fmt_num(c.mean_p),
-            fmt_num(c.mass),
-            *((f"{c.corrective:,}", f"{c.divergent:,}", fmt_num(c.adv_mass)) if cost else ()),
-        )
-    show(t)
+    counts = ["tokens", "fraction", "mean q (infer)", "mean p (train)", "|dp| mass"]
+    # what each cell's tokens cost (issue 32), where the log has an advantage
+    costs = ["corrective", "divergent", "|A| mass"]
+    costs = costs if res.cells["neither"].corrective is not None else []
+
+    def cells(title: str, heads: list[str]) -> Table:
+        t = Table(title=escape(title), show_edge=False)
+        for h in ["", *heads]:
+            t.add_column(h, justify="left" if not h else "right")
+        for k, label in names.items():
+            c = res.cells[k]
+            row = {
+                "tokens": f"{c.tokens:,}",
+                "fraction": pct(c.fraction),
+                "mean q (infer)": fmt_num(c.mean_q),
+                "mean p (train)": fmt_num(c.mean_p),
+                "|dp| mass": fmt_num(c.mass),
+            }
+            if costs:
+                row |= {
+                    "corrective": f"{c.corrective:,}",
+                    "divergent": f"{c.divergent:,}",
+                    "|A| mass": fmt_num(c.adv_mass),
+                }
+            add_row(t, label, *[row[h] for h in heads])
+        return t
+
+    t = cells(title, counts + costs)
+    if costs and not fit(t):  # too wide: what the cells cost in a table of their own
+        show(cells(title, counts))
+        show(cells("what each cell's tokens cost", costs))
+    else:
+        show(t)
     out.print(f"Jaccard overlap of the masked sets: {fmt_num(res.jaccard)}")
     w = Table(title="where they disagree (inference probability q)", show_edge=False)
     for c in ("q bucket", "tokens", "both", "only A", "only B"):
@@ -654,7 +705,8 @@ def print_compare(res, budget: float | None) -> None:
             if c in res.examples[0] and (c != "direction" or res.examples[0][c] is not None)
         ]
         for c in cols:
-            e.add_column(c.replace("abs_dp", "|dp|"), justify="right")
+            # 'masked by', 'sample id': headers that wrap at 80 columns, not cut
+            e.add_column(c.replace("abs_dp", "|dp|").replace("_", " "), justify="right")
         for x in res.examples:
             add_row(
                 e,
