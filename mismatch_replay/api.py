@@ -76,7 +76,7 @@ def sweep(
     Parameters
     ----------
     sources: a log file, directory, glob or URI, or a list of them (Parquet token tables,
-        prime-rl exports, NeMo-RL and slime dumps: the README's "Inputs").
+        prime-rl exports, NeMo-RL and slime dumps: docs/your-log.md).
     rules: rule SPECs (`"ipo"`, `"icepop@verl"`, `"ipo:eps=0.3"`) or `Rule` instances;
         None: every rule the log's columns support, each threshold over its default grid.
     sweeps: parameter -> grid (`"eps": "0.01:0.5:50"`, `"icepop.low": [0.2, 0.5]`): the

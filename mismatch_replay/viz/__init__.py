@@ -12,7 +12,7 @@ bottom up:
   labels   labels beside markers, off the data (`place_labels`: masked_fraction's presets)
   groups   per step (steps.png), per q bucket (where_masked.png), per sequence length
            (masked_by_length.png)
-  render   the five figures as files (FIGURES, `render_all`, `save`)
+  render   the six figures as files (FIGURES, `render_all`, `save`)
   report   the self-contained index.html, its tables and its Decision section
   jobs     `plot`, `report`, `demo`: whole jobs from sources to files (what the CLI runs)
 

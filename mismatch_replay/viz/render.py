@@ -2,7 +2,7 @@
 
 Design
 ------
-FIGURES names the five figures a report and `plot` write (scatter, masked_fraction, steps,
+FIGURES names the six figures a report and `plot` write (scatter, masked_fraction, steps,
 where_masked, masked_by_length, and masked_direction: what each setting's mask costs, where
 the log has an advantage column); `figures(data)` maps each name the data can draw to a
 function that builds it from one FigureData (the headline scatter's boundaries come from the
