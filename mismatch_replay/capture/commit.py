@@ -61,6 +61,7 @@ import uuid
 from pathlib import Path
 
 from ..ingest import COMMIT_MARKER
+from ..output import pid_alive  # noqa: F401  (the writer's lock reads it from here)
 
 RUN_ID_ENV = "MISMATCH_REPLAY_RUN_ID"
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
@@ -185,15 +186,3 @@ def lock_holder(fd: int) -> dict:
     except (OSError, ValueError):
         return {}
     return out if isinstance(out, dict) else {}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True

@@ -249,27 +249,9 @@ def given_label(spec: str, exclude: str | None = None) -> str:
     'token-mis@verl:low=0.5,high=5' -> 'token-mis@verl'; 'icepop@verl:low=0.3,high=5' with
     exclude 'high' -> 'icepop@verl [low=0.3]'; 'icepop:low=0.2,high=5' -> 'icepop [low=0.2,
     high=5]'."""
-    import math
+    from ..rules.spec import given_label as label
 
-    from ..rules import REGISTRY
-
-    head, _, vals = spec.partition(":")
-    name, _, preset = head.partition("@")
-    ref = REGISTRY[name].presets.get(preset, {}) if preset and name in REGISTRY else {}
-    shown = []
-    for kv in filter(None, vals.split(",")):
-        k, _, v = kv.partition("=")
-        if k == exclude:
-            continue
-        try:
-            x = float(v)
-        except ValueError:
-            shown.append(kv)
-            continue
-        if k in ref and ref[k] is not None and math.isclose(x, ref[k], rel_tol=1e-12):
-            continue  # the preset's own value: its name says it
-        shown.append(f"{k}={fmt_num(x)}")
-    return head + (f" [{', '.join(shown)}]" if shown else "")
+    return label(spec, exclude, fmt_num)
 
 
 def given_spec(spec: str) -> str:

@@ -133,6 +133,31 @@ def spec_warnings(specs) -> list[str]:
 MAX_GRID = 100_000  # values in one grid: each costs memory in every group of its job
 
 
+def given_label(spec: str, exclude: str | None = None, fmt=str) -> str:
+    """A rule SPEC named as the user gave it, for a table's first column: the name with its
+    preset ('token-mis@verl'), and in brackets the fixed parameters that differ from that
+    preset's (all of them without a preset), each value written by `fmt`; `exclude`: the swept
+    or chosen parameter, left out. 'token-mis@verl:low=0.5,high=5' -> 'token-mis@verl';
+    'icepop@verl:low=0.3,high=5' with exclude 'high' -> 'icepop@verl [low=0.3]'."""
+    head, _, vals = spec.partition(":")
+    name, _, preset = head.partition("@")
+    ref = REGISTRY[name].presets.get(preset, {}) if preset and name in REGISTRY else {}
+    shown = []
+    for kv in filter(None, vals.split(",")):
+        k, _, v = kv.partition("=")
+        if k == exclude:
+            continue
+        try:
+            x = float(v)
+        except ValueError:
+            shown.append(kv)
+            continue
+        if ref.get(k) is not None and math.isclose(x, ref[k], rel_tol=1e-12):
+            continue  # the preset's own value: its name says it
+        shown.append(f"{k}={fmt(x)}")
+    return head + (f" [{', '.join(shown)}]" if shown else "")
+
+
 def _grid_too_large(text: str, n: int) -> UsageError:
     return UsageError(
         f"bad GRID '{text}': {n:,} values; a grid holds at most {MAX_GRID:,} (each value costs "

@@ -798,26 +798,10 @@ def _drift(d: DriftResult | None, note: str | None) -> str:
 
 def _given(spec: str, exclude: str | None = None) -> str:
     """A SPEC named as the user gave it: 'token-mis@verl-k1', the fixed parameters that
-    differ from the preset's in brackets (cli.render.given_label's reading)."""
-    from ..rules import REGISTRY
+    differ from the preset's in brackets, numbers as the report writes them."""
+    from ..rules.spec import given_label
 
-    head, _, vals = spec.partition(":")
-    name, _, preset = head.partition("@")
-    ref = REGISTRY[name].presets.get(preset, {}) if preset and name in REGISTRY else {}
-    shown = []
-    for kv in filter(None, vals.split(",")):
-        k, _, v = kv.partition("=")
-        if k == exclude:
-            continue
-        try:
-            x = float(v)
-        except ValueError:
-            shown.append(kv)
-            continue
-        if ref.get(k) is not None and abs(x - ref[k]) <= 1e-12 * max(abs(x), abs(ref[k])):
-            continue
-        shown.append(f"{k}={_dnum(x)}")
-    return head + (f" [{', '.join(shown)}]" if shown else "")
+    return given_label(spec, exclude, _dnum)
 
 
 def decision_html(d: Decisions) -> str:
