@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
+from ..engine.readout import COST_COLUMNS
 from ..rules import Rule
 
 # the presets of the IPO-vs-DPPO debate (issue 32): IPO's current and first prime-rl
@@ -30,21 +31,7 @@ COST_PRESETS = (
     "dppo-tv@prime-rl",
     "kpop@prime-rl",
 )
-COLUMNS = (
-    "spec",
-    "rule",
-    "kind",
-    "tokens",
-    "masked_tokens",
-    "masked_corrective",
-    "masked_divergent",
-    "masked_neutral",
-    "masked_corrective_fraction",
-    "masked_adv_mass",
-    "masked_adv_mass_fraction",
-    "entropy_mean",
-    "masked_entropy_mean",
-)
+COLUMNS = ("spec", "rule", "kind", "tokens", "masked_tokens", *COST_COLUMNS)
 
 
 def cost_table(table: pl.DataFrame, settings: Sequence[Rule]) -> pl.DataFrame | None:
