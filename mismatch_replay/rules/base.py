@@ -59,20 +59,13 @@ class F64:
         return np.asarray(x, dtype=np.float64)
 
 
-class F64CR:
+class F64CR(F64):
     """float64 arithmetic with correctly rounded exp and expm1 (crmath): a framework preset's
     formula in exact arithmetic, deciding its ties as torch does (exp(log 0.8) is
-    0.7999999999999999, pmath's 0.8). log is pmath's."""
+    0.7999999999999999, pmath's 0.8). log and cast are F64's."""
 
-    name = "float64"
-    dtype = np.float64
     exp = staticmethod(crmath.exp)
     expm1 = staticmethod(crmath.expm1)
-    log = staticmethod(pmath.log)
-
-    @staticmethod
-    def cast(x) -> np.ndarray:
-        return np.asarray(x, dtype=np.float64)
 
 
 def _round32(y64: np.ndarray, x: np.ndarray, exact) -> np.ndarray:
